@@ -1,0 +1,248 @@
+"""ZMQ transport: DEALER sockets, a reader task per socket, uid-matched futures.
+
+Knows frames, not operations. Every request has a deadline; a request that times
+out or is cancelled is removed from the pending map at once. When the peer goes
+away (a socket monitor reports the disconnect) every pending request fails with
+:class:`ServerUnavailableError` right away instead of waiting out its deadline.
+
+The server runs prepare/commit of one socket identity on one worker thread in
+FIFO order, so a context may hold a small pool of sockets (``Transport``) and
+run each operation's RPC sequence on one of them (``Connection``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .errors import (
+    ClosedError,
+    ProtocolError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+)
+from .wire.frames import Reply, decode_reply, encode_request, pack
+
+__all__ = ["Connection", "Transport"]
+
+log = logging.getLogger("lmkv_async.transport")
+
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[Reply]
+    op_frame: bytes
+    op: str
+    started: float
+
+
+class Connection:
+    """One DEALER socket with its reader and monitor tasks."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, url: str, index: int) -> None:
+        self.url = url
+        self.index = index
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._pending: dict[bytes, _Pending] = {}
+        self._uids = itertools.count(1)
+        self._connected = asyncio.Event()
+        self._closed = False
+        #: incremented on every (re)connect; a change means the peer may be new.
+        self.generation = 0
+        self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Number of requests waiting for a reply."""
+        return len(self._pending)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the socket currently has a live TCP connection."""
+        return self._connected.is_set()
+
+    def start(self) -> None:
+        """Connect and start the reader and monitor tasks."""
+        self._sock.connect(self.url)
+        self._reader = asyncio.create_task(self._read_loop(), name=f"lmkv-reader-{self.index}")
+        self._watcher = asyncio.create_task(self._watch_loop(), name=f"lmkv-monitor-{self.index}")
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a live connection; return whether there is one."""
+        if self._connected.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _watch_loop(self) -> None:
+        try:
+            while True:
+                frames = await self._monitor.recv_multipart()
+                event = parse_monitor_message(frames)["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    self.generation += 1
+                    self._connected.set()
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._connected.clear()
+                    self._fail_all(ServerUnavailableError("server disconnected", server=self.url))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                self._dispatch(frames)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+
+    def _dispatch(self, frames: Sequence[bytes]) -> None:
+        if not frames:
+            return
+        pending = self._pending.get(bytes(frames[0]))
+        if pending is None:
+            # A reply to a request that timed out or was cancelled, or a stray uid.
+            log.debug("dropping reply with unknown uid frame %s", bytes(frames[0])[:16].hex())
+            return
+        if pending.future.done():
+            return
+        try:
+            reply = decode_reply(frames, expected_op=pending.op_frame)
+        except ProtocolError as exc:
+            pending.future.set_exception(ProtocolError(str(exc), op=pending.op, server=self.url))
+            return
+        pending.future.set_result(reply)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+
+    async def request(
+        self, op: str, op_id: int, payloads: Sequence[bytes], *, timeout: float
+    ) -> Reply:
+        """Send one request and await its reply within ``timeout`` seconds."""
+        if self._closed:
+            raise ClosedError("transport is closed")
+        started = time.monotonic()
+        if not self._connected.is_set() and not await self.wait_connected(timeout):
+            raise ServerUnavailableError("not connected to the server", op=op, server=self.url)
+        uid = next(self._uids)
+        frames = encode_request(uid, op_id, payloads)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Reply] = loop.create_future()
+        key = frames[0]
+        self._pending[key] = _Pending(future, frames[1], op, started)
+        remaining = max(0.0, timeout - (time.monotonic() - started))
+        timer = loop.call_later(remaining, _expire, future)
+        try:
+            await self._sock.send_multipart(frames, copy=False)
+            return await future
+        except _Expired:
+            raise ServerTimeoutError(
+                "no reply", op=op, server=self.url, timeout=timeout,
+                elapsed=time.monotonic() - started,
+            ) from None
+        finally:
+            timer.cancel()
+            self._pending.pop(key, None)
+
+    async def probe(self, op_id: int, *, timeout: float) -> object:
+        """Send an op with no payload and return its decoded result (for detection)."""
+        reply = await self.request("probe", op_id, (), timeout=timeout)
+        return reply.result()
+
+    def close(self) -> None:
+        """Fail pending requests, stop the tasks, close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(ClosedError("transport closed"))
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+
+class _Expired(Exception):
+    pass
+
+
+def _expire(future: asyncio.Future[Reply]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
+
+
+class Transport:
+    """A small pool of :class:`Connection` objects to one server."""
+
+    def __init__(self, url: str, *, sockets: int = 1) -> None:
+        if sockets < 1:
+            raise ValueError("sockets must be >= 1")
+        self.url = url
+        self._ctx = zmq.asyncio.Context()
+        self._conns = [Connection(self._ctx, url, i) for i in range(sockets)]
+        self._rr = itertools.count()
+
+    @property
+    def connections(self) -> Sequence[Connection]:
+        """All connections of the pool."""
+        return self._conns
+
+    @property
+    def generation(self) -> int:
+        """Sum of reconnect generations; changes whenever any socket reconnects."""
+        return sum(c.generation for c in self._conns)
+
+    def start(self) -> None:
+        """Connect every socket."""
+        for conn in self._conns:
+            conn.start()
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait until every socket is connected."""
+        results = await asyncio.gather(*(c.wait_connected(timeout) for c in self._conns))
+        return all(results)
+
+    def pick(self) -> Connection:
+        """The least busy connected socket (round-robin among ties)."""
+        if len(self._conns) == 1:
+            return self._conns[0]
+        start = next(self._rr)
+        n = len(self._conns)
+        order = [self._conns[(start + i) % n] for i in range(n)]
+        return min(order, key=lambda c: (not c.connected, c.in_flight))
+
+    def close(self) -> None:
+        """Close every socket and the ZMQ context."""
+        for conn in self._conns:
+            conn.close()
+        self._ctx.destroy(linger=0)
+
+
+def encode_args(*args: object) -> list[bytes]:
+    """Encode plain arguments as payload frames."""
+    return [pack(a) for a in args]
