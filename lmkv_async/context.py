@@ -1,0 +1,871 @@
+"""AsyncKVContext: the operation sequences (store, lookup, retrieve) over the MP protocol.
+
+Each operation is a fixed sequence of RPCs (protocol reference §6.4)::
+
+    store    : prepare_store -> copy into slots (SHM) / pickle -> commit_store -> end_session
+    lookup   : lookup -> prefetch status -> free_lookup_locks (on a hit) -> end_session
+    retrieve : lookup -> prefetch status -> prepare_retrieve -> copy out -> commit_retrieve
+               -> end_session
+
+and what each step reserved on the server is released on every exit path. The
+sequence runs in its own task that the caller awaits through ``asyncio.shield``:
+if the caller is cancelled, the task goes on to its release steps (and a store
+whose slots were handed out still fills and commits them, because an unfilled
+reservation can later be published as a garbage entry, protocol reference §6.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from . import copy as kcopy
+from .errors import (
+    ClosedError,
+    InvalidInputError,
+    KVCacheError,
+    ProtocolError,
+    ServerError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+    TransportUnavailableError,
+    UnsupportedServerError,
+)
+from .http import HttpClient
+from .layout import KVLayout, discover_layout
+from .pickle_codec import dumps_tensors, loads_tensors
+from .shm import PoolMapping
+from .transport import Connection, Transport
+from .validate import Tokens, check_kv, check_out, check_salt, check_timeout, check_tokens
+from .wire.dialect import (
+    PROBE_OP_ID,
+    Dialect,
+    dialect_for_version,
+    dialect_from_config,
+    dialect_from_probe,
+    parse_version,
+)
+from .wire.frames import pack
+from .wire.keys import KeyEncoder, RegisterPayload, encode_register
+from .wire.messages import (
+    SlotSpec,
+    as_bool,
+    as_optional_count,
+    parse_prepare_retrieve,
+    parse_prepare_store,
+    parse_register,
+)
+
+__all__ = ["AsyncKVContext", "StoreResult", "TransportMode", "connect"]
+
+log = logging.getLogger("lmkv_async")
+
+TransportMode = Literal["auto", "shm", "pickle"]
+T = TypeVar("T")
+
+#: Deadline for release steps (free locks, commit, end_session) after a failure
+#: or cancellation. Generous on purpose: it runs in the background, and a frozen
+#: server that resumes within it still gets its locks back.
+CLEANUP_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What one ``store`` did, with the same meaning on SHM and pickle servers.
+
+    Only whole chunks are stored: ``total_chunks = len(tokens) // chunk_size``
+    and the ``ignored_tokens`` past the last full chunk are not sent.
+    ``written_chunks`` were newly written by this call; ``skipped_chunks`` were
+    not (already cached, or the server had no room for them).
+    """
+
+    total_chunks: int
+    written_chunks: int
+    chunk_size: int
+    ignored_tokens: int
+
+    @property
+    def skipped_chunks(self) -> int:
+        """Chunks not written: already cached or no room on the server."""
+        return self.total_chunks - self.written_chunks
+
+    @property
+    def stored_tokens(self) -> int:
+        """Tokens covered by chunks newly written by this call."""
+        return self.written_chunks * self.chunk_size
+
+
+class _OpState:
+    """Shared between a caller and its operation task."""
+
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+
+def _new_request_id(kind: str) -> str:
+    # Fresh per sequence: the server caches chunk hashes per request_id (§5.3).
+    return f"lmkv-{kind}-{uuid.uuid4().hex}"
+
+
+class AsyncKVContext:
+    """An open connection to one LMCache MP server for one model and layout.
+
+    Create it with :func:`connect`. All methods are coroutines and may be
+    awaited concurrently from many tasks; every call has a deadline
+    (``timeout=None`` means the context default, never "wait forever").
+    """
+
+    def __init__(
+        self,
+        url: str,
+        http_url: str,
+        model_name: str,
+        *,
+        layout: KVLayout | None,
+        timeout: float,
+        transport: TransportMode,
+        sockets: int,
+        shm_dir: str,
+        heartbeat_interval: float | None,
+        prefault: bool,
+    ) -> None:
+        self.url = url
+        self.http_url = http_url
+        self.model_name = model_name
+        self.timeout = timeout
+        self._requested_transport: TransportMode = transport
+        self._layout = layout
+        self._shm_dir = shm_dir
+        self._prefault = prefault
+        self._heartbeat_interval = heartbeat_interval
+        self._http = HttpClient(http_url, timeout=timeout)
+        self._transport = Transport(url, sockets=sockets)
+        self.instance_id = secrets.randbits(63)
+        self._dialect: Dialect | None = None
+        self._server_version = ""
+        self._chunk_size = 0
+        self._pool: PoolMapping | None = None
+        self._retired_pools: list[PoolMapping] = []
+        self._mode: Literal["shm", "pickle"] = "pickle"
+        self._slot_spec: SlotSpec | None = None
+        self._registered_generation = -1
+        self._register_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+        self._reap_timeout: float | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per server object (``--chunk-size``)."""
+        return self._chunk_size
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV geometry in use (explicit or discovered)."""
+        assert self._layout is not None
+        return self._layout
+
+    @property
+    def transport(self) -> Literal["shm", "pickle"]:
+        """The transfer path really in use: ``"shm"`` or ``"pickle"``."""
+        return self._mode
+
+    @property
+    def server_version(self) -> str:
+        """The server's ``/version`` string, e.g. ``"0.5.6-g3e11e108"``."""
+        return self._server_version
+
+    @property
+    def dialect(self) -> Dialect:
+        """The op-id table chosen for this server."""
+        assert self._dialect is not None
+        return self._dialect
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` has started."""
+        return self._state in ("closing", "closed")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _open(self) -> None:
+        try:
+            await self._detect_server()
+            self._transport.start()
+            if not await self._transport.wait_connected(self.timeout):
+                raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
+            if self._dialect is None:
+                await self._probe_dialect()
+            await self._register(time.monotonic() + self.timeout)
+            self._state = "open"
+            if self._heartbeat_interval is None:
+                reap = self._reap_timeout or 120.0
+                self._heartbeat_interval = max(1.0, min(10.0, reap / 4))
+            if self._heartbeat_interval > 0:
+                self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="lmkv-heartbeat")
+        except BaseException:
+            await self._teardown(unregister=self._registered_generation >= 0)
+            raise
+
+    async def _detect_server(self) -> None:
+        """Version, mode and chunk size over HTTP (compat.md §11)."""
+        try:
+            self._server_version = await self._http.version()
+        except ProtocolError:
+            self._server_version = ""
+        config = await self._http.config()
+        version = parse_version(self._server_version) if self._server_version else None
+        if version is not None:
+            self._dialect = dialect_for_version(version)
+            if self._dialect is None:
+                raise UnsupportedServerError(
+                    f"lmcache {self._server_version} is older than 0.5.0", server=self.http_url
+                )
+        else:
+            self._dialect = dialect_from_config(config)
+        mp = config.get("mp") or {}
+        mode = mp.get("supported_transfer_mode")
+        if mode == "lmcache_driven":
+            raise UnsupportedServerError(
+                "the server runs --supported-transfer-mode lmcache_driven, which has no handler "
+                "for the engine-driven operations this client uses; restart it with "
+                "--supported-transfer-mode auto (or engine_driven)",
+                server=self.http_url,
+            )
+        chunk = mp.get("chunk_size")
+        if isinstance(chunk, int) and chunk > 0:
+            self._chunk_size = chunk
+        reap = mp.get("worker_reap_timeout_seconds")
+        if isinstance(reap, (int, float)) and reap > 0:
+            self._reap_timeout = float(reap)
+        if self._layout is None:
+            self._layout = discover_layout(await self._http.status(), self.model_name)
+        if self._chunk_size <= 0:
+            raise ProtocolError("/config has no mp.chunk_size", server=self.http_url)
+        if self._chunk_size % self.layout.block_size != 0:
+            raise InvalidInputError(
+                f"chunk size {self._chunk_size} is not a multiple of block_size "
+                f"{self.layout.block_size}"
+            )
+
+    async def _probe_dialect(self) -> None:
+        # Op 21 with no payload is harmless on every supported table (compat.md §11).
+        conn = self._transport.pick()
+        result = await conn.probe(PROBE_OP_ID, timeout=self.timeout)
+        self._dialect = dialect_from_probe(result)
+        if self._dialect is None:
+            raise UnsupportedServerError(f"cannot identify the server from {result!r}",
+                                         server=self.url)
+
+    async def _register(self, deadline: float) -> None:
+        """Register our engine-driven context and pick the transfer path."""
+        layout = self.layout
+        generation = self._transport.generation
+        payload = RegisterPayload(
+            instance_id=self.instance_id,
+            model_name=self.model_name,
+            world_size=layout.world_size,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            hidden_dim_size=layout.hidden_dim,
+            dtype_str=layout.dtype_name,
+            use_mla=layout.use_mla,
+            num_physical_slots=self._chunk_size,
+        )
+        conn = self._transport.pick()
+        raw = await self._rpc(conn, "register_kv_cache_engine_driven_context",
+                              [encode_register(payload)], deadline)
+        reply = parse_register(raw)
+        self._registered_generation = generation
+        old_pool, self._pool = self._pool, None
+        if old_pool is not None:
+            # An operation may still hold addresses into it; unmap at close.
+            self._retired_pools.append(old_pool)
+        mode: Literal["shm", "pickle"] = "pickle"
+        if reply.has_shm and self._requested_transport != "pickle":
+            try:
+                pool = PoolMapping(reply.shm_name, reply.pool_size, shm_dir=self._shm_dir)
+            except OSError as exc:
+                if self._requested_transport == "shm":
+                    raise TransportUnavailableError(
+                        f"cannot map the server's SHM pool {reply.shm_name!r}: {exc}"
+                    ) from None
+                log.warning("SHM pool %s cannot be opened (%s); falling back to pickle",
+                            reply.shm_name, exc)
+            else:
+                if self._prefault:
+                    how = await asyncio.to_thread(pool.populate)
+                    log.debug("pre-faulted SHM pool %s (%s)", reply.shm_name, how)
+                self._pool = pool
+                mode = "shm"
+        elif self._requested_transport == "shm":
+            raise TransportUnavailableError(
+                "transport='shm' but the server offers no SHM pool (start it with "
+                "--shm-name NAME, and --no-l1-use-lazy on GPU hosts)"
+            )
+        self._mode = mode
+        self._slot_spec = (
+            SlotSpec(layout.chunk_shape(self._chunk_size), layout.dtype_name, layout.itemsize,
+                     reply.pool_size)
+            if mode == "shm" else None
+        )
+
+    async def _ensure_registered(self, deadline: float) -> None:
+        """Re-register after a reconnect: a restarted server has forgotten us."""
+        if self._transport.generation == self._registered_generation:
+            return
+        async with self._register_lock:
+            if self._transport.generation == self._registered_generation:
+                return
+            log.info("server connection was re-established; registering again")
+            await self._register(deadline)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._heartbeat_interval is not None
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            try:
+                deadline = time.monotonic() + min(self.timeout, self._heartbeat_interval)
+                await self._ensure_registered(deadline)
+                await self._rpc(self._transport.pick(), "ping", [pack(self.instance_id)], deadline)
+            except (KVCacheError, OSError) as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    async def aclose(self) -> None:
+        """Finish in-flight release steps, unregister, and close everything.
+
+        Idempotent. Operations still running are allowed to finish their
+        release steps (bounded by their deadlines) before the registration is
+        dropped, since unregistering with a reservation outstanding would
+        publish it (protocol reference §6.6).
+        """
+        if self._state in ("closing", "closed"):
+            return
+        self._state = "closing"
+        await self._teardown(unregister=True)
+
+    async def _teardown(self, *, unregister: bool) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=CLEANUP_TIMEOUT + self.timeout)
+        if unregister and self._dialect is not None:
+            try:
+                await self._rpc(
+                    self._transport.pick(), "unregister_kv_cache_engine_driven_context",
+                    [pack(self.instance_id)], time.monotonic() + min(self.timeout, 5.0),
+                )
+            except KVCacheError as exc:
+                log.warning("unregister failed: %s", exc)
+        self._transport.close()
+        await self._http.aclose()
+        for pool in [self._pool, *self._retired_pools]:
+            if pool is not None:
+                pool.close()
+        self._pool = None
+        self._retired_pools.clear()
+        self._state = "closed"
+
+    async def __aenter__(self) -> AsyncKVContext:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ plumbing
+    async def _rpc(self, conn: Connection, op: str, payloads: Sequence[bytes],
+                   deadline: float) -> object:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ServerTimeoutError("deadline expired before the request was sent", op=op,
+                                     server=self.url, timeout=0.0)
+        try:
+            reply = await conn.request(op, self.dialect.op_id(op), payloads, timeout=remaining)
+        except ServerError as exc:
+            if exc.op is None:
+                exc.op = op
+            raise
+        return reply.result()
+
+    async def _cleanup_rpc(self, conn: Connection, op: str, payloads: Sequence[bytes]) -> object:
+        """A release step: own deadline, failures logged (the caller's error wins)."""
+        try:
+            return await self._rpc(conn, op, payloads, time.monotonic() + CLEANUP_TIMEOUT)
+        except KVCacheError as exc:
+            log.warning("release step %s failed: %s", op, exc)
+            return None
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ClosedError(f"context is {self._state}")
+
+    async def _run(self, op: Callable[[_OpState], Coroutine[Any, Any, T]]) -> T:
+        """Run an operation in its own task; shield it from the caller's cancellation."""
+        state = _OpState()
+        task = asyncio.create_task(op(state))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            state.abandoned = True
+            raise
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            pass  # retrieved here so an abandoned task's error is not reported as lost
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + check_timeout(timeout, self.timeout)
+
+    def _key(self, tokens: Sequence[int], salt: str) -> KeyEncoder:
+        return KeyEncoder(self.model_name, self.layout.world_size, tokens, salt)
+
+    # ------------------------------------------------------------------ lookup
+    async def _prefetch_result(self, conn: Connection, rid: str, deadline: float) -> int:
+        """Consume the lookup result (exactly once), awaiting it without sleep-polling.
+
+        L1 prefetches finish at once, so one query nearly always answers; if not,
+        short server-side waits (bounded, since a wait occupies one of the
+        server's normal-pool threads) take over.
+        """
+        rid_frame = pack(rid)
+        count = as_optional_count(
+            await self._rpc(conn, "query_prefetch_status", [rid_frame], deadline),
+            "query_prefetch_status",
+        )
+        wait = 0.02
+        while count is None:
+            budget = min(wait, max(0.001, deadline - time.monotonic() - 0.05))
+            count = as_optional_count(
+                await self._rpc(conn, "wait_prefetch_status", [rid_frame, pack(float(budget))],
+                                deadline),
+                "wait_prefetch_status",
+            )
+            wait = min(wait * 2, 0.5)
+        return count
+
+    async def _lookup_locked(
+        self, conn: Connection, enc: KeyEncoder, n_tokens: int, rid: str, deadline: float,
+        progress: dict[str, Any],
+    ) -> int:
+        """Send lookup, await its ack, consume the result. Returns hit chunks.
+
+        ``progress`` records how far we got, for the release steps.
+        """
+        C = self._chunk_size
+        key = enc.encode(prefix_len=n_tokens, start=0, end=n_tokens, request_id=rid,
+                         worker_id=None)
+        progress["lookup_sent"] = True
+        await self._rpc(conn, "lookup", [key, pack(self.layout.world_size)], deadline)
+        hit = await self._prefetch_result(conn, rid, deadline)
+        if hit > n_tokens // C:
+            progress["hit"] = n_tokens // C
+            raise ProtocolError(f"server reports {hit} hit chunks for {n_tokens // C} looked up",
+                                op="query_prefetch_status", server=self.url)
+        progress["hit"] = hit
+        return hit
+
+    async def _release_lookup(self, conn: Connection, enc: KeyEncoder, n_tokens: int, rid: str,
+                              progress: dict[str, Any], *, free_hit: bool) -> None:
+        """Release steps of a lookup: consume, free the hit's locks, end the session."""
+        if not progress.get("lookup_sent"):
+            return
+        hit = progress.get("hit")
+        if hit is None:
+            # The lookup may still run on the server; consume its result so we know
+            # what it locked (query returns 0 for an unknown job).
+            raw = await self._cleanup_rpc(
+                conn, "wait_prefetch_status", [pack(rid), pack(1.0)]
+            )
+            try:
+                hit = as_optional_count(raw, "wait_prefetch_status") or 0
+            except ProtocolError:
+                hit = 0
+            free_hit = True
+        if free_hit and hit:
+            key = enc.encode(prefix_len=n_tokens, start=0, end=hit * self._chunk_size,
+                             request_id=rid, worker_id=None)
+            await self._cleanup_rpc(conn, "free_lookup_locks", [key, pack(self.layout.world_size)])
+        await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+
+    async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
+                     timeout: float | None = None) -> int:
+        """Length in tokens of the longest cached prefix of ``tokens``.
+
+        A multiple of :attr:`chunk_size`; 0 on a miss or when ``tokens`` is
+        shorter than one chunk. Moves no data and leaves no lock behind.
+        """
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        deadline = self._deadline(timeout)
+        self._check_open()
+        n = len(toks) // self._chunk_size * self._chunk_size
+        if n == 0:
+            return 0
+
+        async def op(state: _OpState) -> int:
+            await self._ensure_registered(deadline)
+            conn = self._transport.pick()
+            enc = self._key(toks, salt)
+            rid = _new_request_id("lookup")
+            progress: dict[str, Any] = {}
+            try:
+                hit = await self._lookup_locked(conn, enc, n, rid, deadline, progress)
+                return hit * self._chunk_size
+            finally:
+                await self._release_lookup(conn, enc, n, rid, progress, free_hit=True)
+
+        return await self._run(op)
+
+    # ------------------------------------------------------------------ retrieve
+    async def retrieve(
+        self,
+        tokens: Tokens,
+        *,
+        out: torch.Tensor | None = None,
+        cache_salt: str = "",
+        timeout: float | None = None,
+    ) -> torch.Tensor | None:
+        """The KV of the longest cached prefix of ``tokens``, or None on a miss.
+
+        Returns a ``[P, L, n, D]`` tensor with ``n`` the hit length in tokens (a
+        multiple of :attr:`chunk_size`). With ``out`` (a ``[P, L, >=T, D]`` CPU
+        tensor of the layout's dtype, ``T`` the full-chunk length of ``tokens``)
+        the data is written into it and the view ``out[:, :, :n]`` is returned.
+        Without it the result is allocated with :func:`lmkv_async.copy.alloc_output`
+        (pre-faulted, hugepage-advised memory, so large results do not pay the
+        page-fault cliff). If the call is cancelled, ``out`` may have been
+        partly written.
+        """
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        deadline = self._deadline(timeout)
+        C = self._chunk_size
+        n = len(toks) // C * C
+        if out is not None:
+            check_out(out, self.layout, n)
+        self._check_open()
+        if n == 0:
+            return None
+
+        async def op(state: _OpState) -> torch.Tensor | None:
+            await self._ensure_registered(deadline)
+            return await self._retrieve_seq(state, toks, n, salt, out, deadline)
+
+        return await self._run(op)
+
+    async def _retrieve_seq(
+        self, state: _OpState, toks: list[int], n: int, salt: str,
+        out: torch.Tensor | None, deadline: float,
+    ) -> torch.Tensor | None:
+        C = self._chunk_size
+        conn = self._transport.pick()
+        enc = self._key(toks, salt)
+        rid = _new_request_id("retrieve")
+        progress: dict[str, Any] = {}
+        # "none": prepare not sent; "sent": sent, no reply; "shm"/"pickle": reply in hand
+        prepared = "none"
+        free_hit = True
+        mode, spec, pool = self._mode, self._slot_spec, self._pool
+        try:
+            hit = await self._lookup_locked(conn, enc, n, rid, deadline, progress)
+            if hit == 0 or state.abandoned:
+                return None
+            key = enc.encode(prefix_len=hit * C, start=0, end=hit * C, request_id=rid,
+                             worker_id=0)
+            progress["retrieve_key"] = key
+            prepared = "sent"
+            raw = await self._rpc(conn, "prepare_retrieve", [key, pack(self.instance_id)],
+                                  deadline)
+            reply = parse_prepare_retrieve(raw, spec, hit)
+            prepared = "shm" if reply.shm else "pickle"
+            if not reply.success:
+                # An object went missing under our locks (0.5.2 peers can strip them).
+                log.warning("prepare_retrieve failed for %d chunks; reporting a miss", hit)
+                prepared = "failed"
+                return None
+            if state.abandoned:
+                return None
+            dst = out if out is not None else kcopy.alloc_output(
+                (self.layout.planes, self.layout.num_layers, n, self.layout.hidden_dim),
+                self.layout.dtype,
+            )
+            view = dst[:, :, : hit * C]
+            nbytes = hit * C * self.layout.token_bytes()
+            if reply.shm:
+                if pool is None or reply.shm != (mode == "shm"):
+                    raise ProtocolError("SHM slots on a context without a mapped pool",
+                                        op="prepare_retrieve", server=self.url)
+                chunks = [(i, pool.address + s.offset) for i, s in enumerate(reply.slots)]
+                await kcopy.run_copy(kcopy.chunks_to_dense, view, chunks, chunk_tokens=C,
+                                     region=pool.region, nbytes=nbytes)
+            else:
+                tensors = await _maybe_thread(loads_tensors, reply.data, nbytes)
+                self._check_chunk_tensors(tensors, hit)
+                chunks = [(i, t.data_ptr()) for i, t in enumerate(tensors)]
+                await kcopy.run_copy(kcopy.chunks_to_dense, view, chunks, chunk_tokens=C,
+                                     region=None, nbytes=nbytes)
+            free_hit = False
+            return view
+        finally:
+            await self._release_retrieve(conn, enc, n, rid, progress, prepared)
+
+    async def _release_retrieve(self, conn: Connection, enc: KeyEncoder, n: int, rid: str,
+                                progress: dict[str, Any], prepared: str) -> None:
+        key = progress.get("retrieve_key")
+        if prepared in ("shm", "sent") and key is not None:
+            # commit_retrieve releases the pending read (SHM). After a lost
+            # prepare reply it is sent on the same socket, so the server's
+            # per-identity FIFO runs it after the prepare; a second commit is a no-op.
+            await self._cleanup_rpc(conn, "commit_retrieve", [key, pack(self.instance_id)])
+        # pickle prepare released its locks itself; "none"/"failed" still hold the lookup's.
+        free = prepared in ("none", "failed")
+        await self._release_lookup(conn, enc, n, rid, progress, free_hit=free)
+
+    def _check_chunk_tensors(self, tensors: Sequence[torch.Tensor], count: int) -> None:
+        shape = self.layout.chunk_shape(self._chunk_size)
+        if len(tensors) != count:
+            raise ProtocolError(f"pickle reply holds {len(tensors)} chunks, expected {count}",
+                                server=self.url)
+        for t in tensors:
+            if tuple(t.shape) != shape or t.dtype != self.layout.dtype or not t.is_contiguous():
+                raise ProtocolError(
+                    f"pickle chunk {tuple(t.shape)} {t.dtype} does not match the layout "
+                    f"{shape} {self.layout.dtype}", server=self.url)
+
+    # ------------------------------------------------------------------ store
+    async def store(
+        self,
+        kv: torch.Tensor,
+        tokens: Tokens,
+        *,
+        cache_salt: str = "",
+        timeout: float | None = None,
+    ) -> StoreResult:
+        """Store the KV of ``tokens``: ``kv`` is ``[P, L, T, D]`` with ``T = len(tokens)``.
+
+        Only whole chunks are stored; tokens past the last full chunk are not
+        (reported as ``ignored_tokens``). Chunks already cached are not sent
+        again. Once the server has handed out slots, the copy and commit run to
+        completion even if the caller is cancelled, so ``kv`` may still be read
+        briefly after a cancellation.
+        """
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        check_kv(kv, self.layout, len(toks))
+        deadline = self._deadline(timeout)
+        self._check_open()
+        C = self._chunk_size
+        total = len(toks) // C
+        ignored = len(toks) - total * C
+        if total == 0:
+            return StoreResult(0, 0, C, ignored)
+
+        async def op(state: _OpState) -> StoreResult:
+            await self._ensure_registered(deadline)
+            if self._mode == "shm":
+                written = await self._store_shm(toks, total, salt, kv, deadline)
+            else:
+                written = await self._store_pickle(toks, total, salt, kv, deadline)
+            return StoreResult(total, written, C, ignored)
+
+        return await self._run(op)
+
+    async def _store_shm(self, toks: list[int], total: int, salt: str, kv: torch.Tensor,
+                         deadline: float) -> int:
+        C = self._chunk_size
+        n = total * C
+        conn = self._transport.pick()
+        enc = self._key(toks, salt)
+        rid = _new_request_id("store")
+        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+        iid = pack(self.instance_id)
+        pool, spec = self._pool, self._slot_spec
+        sent = False
+        try:
+            sent = True
+            raw = await self._rpc(conn, "prepare_store", [key, iid], deadline)
+            prep = parse_prepare_store(raw, spec, total)
+            if not prep.shm:
+                raise ProtocolError("SHM context got a pickle-style prepare_store reply",
+                                    op="prepare_store", server=self.url)
+            if not prep.slots:
+                return 0
+            assert pool is not None
+            chunks = [(i, pool.address + s.offset) for i, s in zip(prep.chunk_indices, prep.slots)]
+            nbytes = len(chunks) * C * self.layout.token_bytes()
+            # Every reserved slot is filled completely before commit (§6.6); from
+            # here on the sequence is not abandoned even if the caller is cancelled.
+            await kcopy.run_copy(kcopy.dense_to_chunks, kv[:, :, :n], chunks, chunk_tokens=C,
+                                 region=pool.region, nbytes=nbytes)
+            ok = as_bool(await self._rpc(conn, "commit_store", [key, iid, pack(b"")], deadline),
+                         "commit_store")
+            return len(prep.slots) if ok else 0
+        finally:
+            if sent:
+                await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+
+    async def _store_pickle(self, toks: list[int], total: int, salt: str, kv: torch.Tensor,
+                            deadline: float) -> int:
+        C = self._chunk_size
+        n = total * C
+        conn = self._transport.pick()
+        enc = self._key(toks, salt)
+        # Skip the cached prefix: the pickle commit cannot report what it wrote, and
+        # not pickling cached chunks saves most of the cost of a re-store.
+        before = await self._cached_prefix(conn, enc, n, deadline)
+        if before >= total:
+            return 0
+        rid = _new_request_id("store")
+        key = enc.encode(prefix_len=n, start=before * C, end=n, request_id=rid, worker_id=0)
+        try:
+            chunks = [kv[:, :, i * C:(i + 1) * C].contiguous() for i in range(before, total)]
+            data = await _maybe_thread(dumps_tensors, chunks, len(chunks) * C * self.layout.token_bytes())
+            ok = as_bool(
+                await self._rpc(conn, "commit_store", [key, pack(self.instance_id), pack(data)],
+                                deadline),
+                "commit_store",
+            )
+        finally:
+            await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+        if ok:
+            return total - before
+        # Some chunks hit out-of-memory: count what is there now.
+        after = await self._cached_prefix(conn, enc, n, deadline)
+        return max(0, after - before)
+
+    async def _cached_prefix(self, conn: Connection, enc: KeyEncoder, n: int,
+                             deadline: float) -> int:
+        rid = _new_request_id("probe")
+        progress: dict[str, Any] = {}
+        try:
+            return await self._lookup_locked(conn, enc, n, rid, deadline, progress)
+        finally:
+            await self._release_lookup(conn, enc, n, rid, progress, free_hit=True)
+
+    # ------------------------------------------------------------------ maintenance
+    async def status(self) -> dict[str, Any]:
+        """The server's ``/status`` (locks, sessions, registrations)."""
+        return await self._http.status()
+
+
+async def _maybe_thread(fn: Callable[..., T], arg: Any, nbytes: int) -> T:
+    if nbytes >= kcopy.INLINE_LIMIT:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)
+
+
+class _Connecting:
+    """``connect(...)`` result: await it, or use it as ``async with``."""
+
+    def __init__(self, factory: Callable[[], Awaitable[AsyncKVContext]]) -> None:
+        self._factory = factory
+        self._ctx: AsyncKVContext | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncKVContext]:
+        return self._factory().__await__()
+
+    async def __aenter__(self) -> AsyncKVContext:
+        self._ctx = await self._factory()
+        return self._ctx
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._ctx is not None:
+            await self._ctx.aclose()
+
+
+def connect(
+    url: str,
+    http_url: str,
+    model_name: str,
+    *,
+    layout: KVLayout | None = None,
+    timeout: float = 10.0,
+    transport: TransportMode = "auto",
+    sockets: int = 1,
+    shm_dir: str = "/dev/shm",
+    heartbeat_interval: float | None = None,
+    prefault: bool = True,
+) -> _Connecting:
+    """Connect to an LMCache MP server and register a context for ``model_name``.
+
+    Use as ``async with connect(...) as ctx:`` or ``ctx = await connect(...)``
+    followed by ``await ctx.aclose()``.
+
+    Args:
+        url: the server's ZMQ endpoint, e.g. ``"tcp://127.0.0.1:5555"``
+            (a bare ``host:port`` gets ``tcp://``).
+        http_url: the server's HTTP API, e.g. ``"http://127.0.0.1:8080"``.
+        model_name: the server-side model namespace.
+        layout: explicit geometry; ``None`` discovers it from ``/status``
+            (``cache_context_meta``, as registered by an inference engine).
+        timeout: default deadline in seconds for each operation.
+        transport: ``"auto"`` (SHM when the server offers it and the segment
+            can be mapped, else pickle), ``"shm"`` (raise
+            :class:`TransportUnavailableError` instead of degrading) or ``"pickle"``.
+        sockets: DEALER sockets to spread operations over (useful with a server
+            started with ``--max-gpu-workers N``).
+        shm_dir: where the server's SHM segments are visible.
+        heartbeat_interval: seconds between ``ping`` heartbeats; ``None`` picks
+            ``min(10, reap_timeout / 4)``; ``0`` disables them.
+        prefault: pre-fault the SHM pool's pages once at connect.
+
+    Raises:
+        InvalidInputError: bad arguments (nothing is sent).
+        UnsupportedServerError: an unsupported version, or a server in
+            ``lmcache_driven`` mode (the message names the flag to change).
+        LayoutNotFoundError: ``layout=None`` and no engine registered one.
+        TransportUnavailableError: ``transport="shm"`` without usable SHM.
+        ServerTimeoutError, ServerUnavailableError: the server did not answer.
+    """
+    if not isinstance(url, str) or not url:
+        raise InvalidInputError("url must be a non-empty string")
+    if "://" not in url:
+        url = f"tcp://{url}"
+    if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
+        raise InvalidInputError(f"http_url must be an http(s) URL, got {http_url!r}")
+    if not isinstance(model_name, str) or not model_name or "@" in model_name:
+        raise InvalidInputError("model_name must be a non-empty string without '@'")
+    if layout is not None and not isinstance(layout, KVLayout):
+        raise InvalidInputError("layout must be a KVLayout or None")
+    if transport not in ("auto", "shm", "pickle"):
+        raise InvalidInputError(f"transport must be 'auto', 'shm' or 'pickle', got {transport!r}")
+    if isinstance(sockets, bool) or not isinstance(sockets, int) or sockets < 1:
+        raise InvalidInputError("sockets must be a positive int")
+    timeout = check_timeout(timeout, 10.0)
+
+    async def factory() -> AsyncKVContext:
+        ctx = AsyncKVContext(
+            url, http_url, model_name, layout=layout, timeout=timeout, transport=transport,
+            sockets=sockets, shm_dir=shm_dir, heartbeat_interval=heartbeat_interval,
+            prefault=prefault,
+        )
+        await ctx._open()
+        return ctx
+
+    return _Connecting(factory)

@@ -1,0 +1,119 @@
+"""Client-side input checks, run before any server traffic.
+
+The server answers bad input with silence (a timeout), or worse, with bogus
+objects on 0.5.2, so everything that can be checked here is (compat.md §12.7).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from .errors import InvalidInputError, LayoutMismatchError
+from .layout import KVLayout
+from .wire.keys import MAX_SALT_LEN, SALT_FORBIDDEN
+
+__all__ = ["check_kv", "check_salt", "check_timeout", "check_tokens"]
+
+TOKEN_LIMIT = 2**32
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+Tokens = Sequence[int] | torch.Tensor
+
+
+def check_tokens(tokens: Tokens) -> list[int]:
+    """Return the tokens as a list of ints in ``[0, 2**32)``; raise on anything else."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype not in _INT_DTYPES:
+            raise InvalidInputError(
+                f"tokens tensor must be 1-D of an integer dtype, got {tuple(tokens.shape)} "
+                f"{tokens.dtype}"
+            )
+        if tokens.numel() == 0:
+            raise InvalidInputError("tokens must not be empty")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= TOKEN_LIMIT:
+            raise InvalidInputError(f"token ids must be in [0, 2**32); got range [{lo}, {hi}]")
+        out: list[int] = tokens.tolist()
+        return out
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    if len(tokens) == 0:
+        raise InvalidInputError("tokens must not be empty")
+    values = list(tokens)
+    if not all(type(t) is int for t in values):
+        try:
+            values = [_as_int(t) for t in values]
+        except TypeError as exc:
+            raise InvalidInputError(f"tokens must be ints: {exc}") from None
+    if min(values) < 0 or max(values) >= TOKEN_LIMIT:
+        raise InvalidInputError(
+            f"token ids must be in [0, 2**32); got range [{min(values)}, {max(values)}]"
+        )
+    return values
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError("bool is not a token id")
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def check_salt(cache_salt: str) -> str:
+    """``cache_salt``: a str of at most 128 chars without ``@ / \\ NUL``."""
+    if not isinstance(cache_salt, str):
+        raise InvalidInputError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+    if len(cache_salt) > MAX_SALT_LEN:
+        raise InvalidInputError(f"cache_salt is {len(cache_salt)} chars; at most {MAX_SALT_LEN}")
+    bad = sorted(set(cache_salt) & SALT_FORBIDDEN)
+    if bad:
+        raise InvalidInputError(f"cache_salt contains forbidden characters {bad!r}")
+    return cache_salt
+
+
+def check_timeout(timeout: float | None, default: float) -> float:
+    """``None`` means the context default; otherwise a positive finite number."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidInputError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise InvalidInputError(f"timeout must be positive and finite, got {timeout!r}")
+    return float(timeout)
+
+
+def check_kv(kv: object, layout: KVLayout, num_tokens: int, *, what: str = "kv") -> torch.Tensor:
+    """``[P, L, T, D]`` CPU tensor of the layout's dtype with ``T == num_tokens``.
+
+    The last dimension must be contiguous; other strides are free (views are fine).
+    """
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")
+    expected = (layout.planes, layout.num_layers, num_tokens, layout.hidden_dim)
+    if kv.device.type != "cpu":
+        raise LayoutMismatchError(f"{what} must be a CPU tensor, got device {kv.device}")
+    if kv.dtype != layout.dtype:
+        raise LayoutMismatchError(f"{what} dtype {kv.dtype} != layout dtype {layout.dtype}")
+    if tuple(kv.shape) != expected:
+        raise LayoutMismatchError(
+            f"{what} shape {tuple(kv.shape)} != expected [P, L, T, D] = {expected}"
+        )
+    if kv.stride(3) != 1:
+        raise LayoutMismatchError(f"{what} must have a contiguous last dimension")
+    return kv
+
+
+def check_out(out: object, layout: KVLayout, num_tokens: int) -> torch.Tensor:
+    """A caller buffer ``[P, L, >=T, D]`` for ``retrieve(out=...)``."""
+    if not isinstance(out, torch.Tensor):
+        raise InvalidInputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dim() != 4:
+        raise LayoutMismatchError(f"out must be 4-D [P, L, T, D], got {tuple(out.shape)}")
+    if out.shape[2] < num_tokens:
+        raise LayoutMismatchError(
+            f"out has room for {out.shape[2]} tokens; the full-chunk prefix has {num_tokens}"
+        )
+    return check_kv(out[:, :, :num_tokens], layout, num_tokens, what="out")
