@@ -585,7 +585,6 @@ class AsyncKVContext:
         progress: dict[str, Any] = {}
         # "none": prepare not sent; "sent": sent, no reply; "shm"/"pickle": reply in hand
         prepared = "none"
-        free_hit = True
         mode, spec, pool = self._mode, self._slot_spec, self._pool
         try:
             hit = await self._lookup_locked(conn, enc, n, rid, deadline, progress)
@@ -625,7 +624,6 @@ class AsyncKVContext:
                 chunks = [(i, t.data_ptr()) for i, t in enumerate(tensors)]
                 await kcopy.run_copy(kcopy.chunks_to_dense, view, chunks, chunk_tokens=C,
                                      region=None, nbytes=nbytes)
-            free_hit = False
             return view
         finally:
             await self._release_retrieve(conn, enc, n, rid, progress, prepared)
@@ -712,7 +710,10 @@ class AsyncKVContext:
             if not prep.slots:
                 return 0
             assert pool is not None
-            chunks = [(i, pool.address + s.offset) for i, s in zip(prep.chunk_indices, prep.slots)]
+            chunks = [
+                (i, pool.address + s.offset)
+                for i, s in zip(prep.chunk_indices, prep.slots, strict=True)
+            ]
             nbytes = len(chunks) * C * self.layout.token_bytes()
             # Every reserved slot is filled completely before commit (§6.6); from
             # here on the sequence is not abandoned even if the caller is cancelled.
@@ -740,7 +741,8 @@ class AsyncKVContext:
         key = enc.encode(prefix_len=n, start=before * C, end=n, request_id=rid, worker_id=0)
         try:
             chunks = [kv[:, :, i * C:(i + 1) * C].contiguous() for i in range(before, total)]
-            data = await _maybe_thread(dumps_tensors, chunks, len(chunks) * C * self.layout.token_bytes())
+            nbytes = len(chunks) * C * self.layout.token_bytes()
+            data = await _maybe_thread(dumps_tensors, chunks, nbytes)
             ok = as_bool(
                 await self._rpc(conn, "commit_store", [key, pack(self.instance_id), pack(data)],
                                 deadline),

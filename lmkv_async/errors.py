@@ -24,16 +24,16 @@ server-side failures; it is never turned into a silent cache miss.
 from __future__ import annotations
 
 __all__ = [
-    "KVCacheError",
-    "InvalidInputError",
-    "LayoutMismatchError",
     "ClosedError",
-    "TransportUnavailableError",
     "CopyBoundsError",
+    "InvalidInputError",
+    "KVCacheError",
+    "LayoutMismatchError",
+    "ProtocolError",
     "ServerError",
     "ServerTimeoutError",
     "ServerUnavailableError",
-    "ProtocolError",
+    "TransportUnavailableError",
     "UnsupportedServerError",
 ]
 
@@ -73,14 +73,17 @@ class ServerError(KVCacheError):
     """
 
     def __init__(self, message: str, *, op: str | None = None, server: str | None = None) -> None:
-        parts = [message]
-        if op is not None:
-            parts.append(f"op={op}")
-        if server is not None:
-            parts.append(f"server={server}")
-        super().__init__(" ".join(parts) if len(parts) == 1 else f"{message} ({', '.join(parts[1:])})")
+        super().__init__(message)
+        self.message = message
         self.op = op
         self.server = server
+
+    def __str__(self) -> str:
+        # Built on demand: the op is sometimes filled in by an outer layer.
+        where = [f"op={self.op}"] if self.op else []
+        if self.server:
+            where.append(f"server={self.server}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
 
 
 class ServerTimeoutError(ServerError, TimeoutError):

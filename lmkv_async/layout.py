@@ -105,7 +105,7 @@ def _parse_group(entry: Mapping[str, Any]) -> KVLayout:
     names = fmt[len("NL_X_") :].split("_")
     if len(names) != len(dims):
         raise LayoutNotFoundError(f"format {fmt} does not match shape {dims}")
-    by_name = dict(zip(names, dims))
+    by_name = dict(zip(names, dims, strict=True))
     dtype_text = str(group.get("dtype", "")).removeprefix("torch.")
     if dtype_text not in _BY_NAME:
         raise LayoutNotFoundError(f"unsupported dtype {group.get('dtype')!r} in registered layout")
@@ -132,7 +132,9 @@ def discover_layout(status: Mapping[str, Any], model_name: str) -> KVLayout:
     no geometry and cannot be used.
     """
     meta = status.get("cache_context_meta") or {}
-    entries = [e for e in meta.values() if isinstance(e, Mapping) and e.get("model_name") == model_name]
+    entries = [
+        e for e in meta.values() if isinstance(e, Mapping) and e.get("model_name") == model_name
+    ]
     if not entries:
         names = sorted({str(e.get("model_name")) for e in meta.values() if isinstance(e, Mapping)})
         raise LayoutNotFoundError(

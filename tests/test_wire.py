@@ -1,4 +1,4 @@
-"""Sans-IO tests of the wire layer against the exact frames of the protocol reference (appendix A)."""
+"""Sans-IO tests of the wire layer against the frames of the protocol reference (appendix A)."""
 
 from __future__ import annotations
 
@@ -182,7 +182,8 @@ def test_prepare_retrieve_replies() -> None:
                                SPEC, 2)
     pick = parse_prepare_retrieve({"success": True, "data": b"xx", "context": {}}, None, 2)
     assert not pick.shm and pick.data == b"xx"
-    assert not parse_prepare_retrieve({"success": False, "data": b"", "context": {}}, None, 2).success
+    failed = parse_prepare_retrieve({"success": False, "data": b"", "context": {}}, None, 2)
+    assert not failed.success
 
 
 def test_register_reply_and_payload() -> None:

@@ -7,9 +7,10 @@ touched (protocol reference §3.3, §4.7-4.10, §6.3).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import ProtocolError
 from .frames import NO_RESULT
@@ -84,7 +85,7 @@ class PrepareRetrieve:
     shm: bool
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -137,7 +138,7 @@ def _slots(raw: object, spec: SlotSpec | None) -> tuple[Slot, ...]:
 
 def _check_disjoint(slots: Sequence[Slot]) -> None:
     ordered = sorted(slots, key=lambda s: s.offset)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in itertools.pairwise(ordered):
         if a.offset + a.length > b.offset:
             raise ProtocolError(f"slots overlap at offsets {a.offset} and {b.offset}")
 
@@ -192,7 +193,6 @@ def as_optional_count(result: object, what: str) -> int | None:
     """``int | None`` results (prefetch status, in chunks); None while running."""
     if result is NO_RESULT or result is None:
         return None
-    if not _is_int(result) or result < 0:  # type: ignore[operator]
+    if not _is_int(result) or result < 0:
         raise ProtocolError(f"{what}: expected a chunk count, got {result!r}")
-    assert isinstance(result, int)
     return result
