@@ -1,0 +1,365 @@
+"""Real lmcache servers for the test suite: a lazily started pool, registration, leak checks.
+
+Import from test modules as ``from servers import ...`` (``conftest.py`` puts
+this directory on ``sys.path``; the suite runs with ``--import-mode=importlib``
+against the installed ``lmkv_async``).
+
+* :class:`ServerPool` starts servers on first use, shares identical
+  configurations across tests, and caps how many run at once (2 cores).
+* :func:`registered_engine` runs ``server_scripts/register_cpu_engine.py`` with
+  the server's own Python (lmcache-driven CPU registration, what the official
+  SDK needs to discover a layout) and yields once it printed ``READY``.
+* :func:`assert_no_leaks` checks ``/status`` for sessions, locks and
+  engine-driven registrations left behind.
+
+Server interpreters come from :func:`lmkv_async.local_server.find_server_python`
+(``$LMKV_LMCACHE_PYTHON_056`` / ``_052`` or ``.nox/lmcache-server-0XY``). A
+missing one fails the tests that need it, unless
+``LMKV_ALLOW_MISSING_SERVERS=1``, in which case they are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmkv_async.local_server import LocalServer, ServerConfig, find_server_python, server_env
+
+HERE = Path(__file__).resolve().parent
+REGISTER_SCRIPT = HERE / "server_scripts" / "register_cpu_engine.py"
+
+VERSIONS = ("0.5.2", "0.5.6")
+#: ids of the parametrized ``server`` fixture
+SERVER_IDS = ("0.5.2-shm", "0.5.2-pickle", "0.5.6-shm", "0.5.6-pickle")
+
+#: Shared servers kept running at once, besides the one the current test pins.
+MAX_SHARED_SERVERS = int(os.environ.get("LMKV_MAX_SHARED_SERVERS", "2"))
+
+
+def allow_missing_servers() -> bool:
+    """Whether a missing server environment skips (instead of failing) tests."""
+    return os.environ.get("LMKV_ALLOW_MISSING_SERVERS", "") == "1"
+
+
+def server_python(version: str) -> str:
+    """Interpreter of the lmcache ``version`` env; fails (or skips, if allowed) when absent."""
+    python = find_server_python(version)
+    if python is None:
+        tag = version.replace(".", "")
+        msg = (
+            f"no lmcache {version} server environment: set LMKV_LMCACHE_PYTHON_{tag} or "
+            f"build .nox/lmcache-server-{tag} (nox -s tests does it); "
+            "LMKV_ALLOW_MISSING_SERVERS=1 turns this into a skip"
+        )
+        if allow_missing_servers():
+            pytest.skip(msg)
+        pytest.fail(msg, pytrace=False)
+    return python
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Hashable description of a server; equal specs share one pooled server."""
+
+    version: str
+    shm: bool = True
+    transfer_mode: str = "auto"
+    chunk_size: int = 256
+    l1_size_gb: float = 1.0
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_id(cls, server_id: str) -> ServerSpec:
+        """``"0.5.6-shm"`` -> ``ServerSpec("0.5.6", shm=True)``."""
+        version, transport = server_id.split("-")
+        if transport not in ("shm", "pickle"):
+            raise ValueError(server_id)
+        return cls(version=version, shm=transport == "shm")
+
+    @property
+    def label(self) -> str:
+        """Short name for logs, e.g. ``0.5.6-shm-auto``."""
+        extra = ("+" + "_".join(a.lstrip("-") for a in self.extra_args)) if self.extra_args else ""
+        return f"{self.version}-{'shm' if self.shm else 'pickle'}-{self.transfer_mode}{extra}"
+
+    def config(self) -> ServerConfig:
+        """The :class:`ServerConfig` (resolves the interpreter; may fail/skip)."""
+        return ServerConfig(
+            version=self.version,
+            python=server_python(self.version),
+            shm=self.shm,
+            transfer_mode=self.transfer_mode,
+            chunk_size=self.chunk_size,
+            l1_size_gb=self.l1_size_gb,
+            extra_args=self.extra_args,
+        )
+
+
+@dataclass
+class ServerPool:
+    """Session-wide set of running servers, started lazily, stopped by PID at the end.
+
+    Shared servers are keyed by :class:`ServerSpec`. Servers pinned by the
+    running test (or by the parametrized ``server`` fixture) are never evicted;
+    when more than :data:`MAX_SHARED_SERVERS` unpinned ones run, the least
+    recently used is stopped. Private servers belong to one test and are
+    stopped when it ends.
+    """
+
+    log_dir: Path
+    max_shared: int = MAX_SHARED_SERVERS
+    _shared: dict[ServerSpec, LocalServer] = field(default_factory=dict)
+    _last_used: dict[ServerSpec, float] = field(default_factory=dict)
+    _pinned: dict[ServerSpec, int] = field(default_factory=dict)
+    _private: list[LocalServer] = field(default_factory=list)
+    start_times: list[tuple[str, float]] = field(default_factory=list)
+
+    def _new(self, spec: ServerSpec, tag: str) -> LocalServer:
+        n = len(self.start_times)
+        return LocalServer(spec.config(), log_path=self.log_dir / f"{n:03d}-{tag}-{spec.label}.log")
+
+    def _start(self, server: LocalServer, spec: ServerSpec) -> None:
+        server.start()
+        self.start_times.append((spec.label, server.start_seconds or 0.0))
+
+    def get(self, spec: ServerSpec) -> LocalServer:
+        """A running shared server for ``spec`` (started, or restarted, if needed)."""
+        server = self._shared.get(spec)
+        if server is None:
+            self._evict(keep=spec)
+            server = self._new(spec, "shared")
+            self._shared[spec] = server
+        if not server.is_running():
+            self._start(server, spec)
+        self._last_used[spec] = time.monotonic()
+        return server
+
+    def pin(self, spec: ServerSpec) -> None:
+        """Protect ``spec``'s server from eviction until :meth:`unpin`."""
+        self._pinned[spec] = self._pinned.get(spec, 0) + 1
+
+    def unpin(self, spec: ServerSpec) -> None:
+        """Undo one :meth:`pin`."""
+        left = self._pinned.get(spec, 0) - 1
+        if left > 0:
+            self._pinned[spec] = left
+        else:
+            self._pinned.pop(spec, None)
+
+    def stop(self, spec: ServerSpec) -> None:
+        """Stop and forget the shared server for ``spec``, if any."""
+        server = self._shared.pop(spec, None)
+        self._last_used.pop(spec, None)
+        if server is not None:
+            server.stop()
+
+    def _evict(self, keep: ServerSpec) -> None:
+        unpinned = [s for s in self._shared if s not in self._pinned and s != keep]
+        while len(unpinned) >= self.max_shared:
+            oldest = min(unpinned, key=lambda s: self._last_used.get(s, 0.0))
+            unpinned.remove(oldest)
+            self.stop(oldest)
+
+    def private(self, spec: ServerSpec) -> LocalServer:
+        """A new server only the caller uses (it may kill/freeze/restart it)."""
+        server = self._new(spec, "private")
+        self._private.append(server)
+        self._start(server, spec)
+        return server
+
+    def stop_private(self, server: LocalServer) -> None:
+        """Stop a private server and forget it."""
+        server.stop()
+        with contextlib.suppress(ValueError):
+            self._private.remove(server)
+
+    def running(self) -> list[LocalServer]:
+        """All servers of this pool that are currently running."""
+        return [s for s in [*self._shared.values(), *self._private] if s.is_running()]
+
+    def stop_all(self) -> None:
+        """Stop every server (SIGTERM by PID, SIGKILL fallback) and remove SHM pools."""
+        for spec in list(self._shared):
+            self.stop(spec)
+        for server in list(self._private):
+            self.stop_private(server)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@dataclass
+class Registration:
+    """A running ``register_cpu_engine.py`` process and what it reported."""
+
+    info: dict[str, Any]
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def instance_ids(self) -> list[int]:
+        """lmcache-driven instance ids (``registered_gpu_ids`` on the server)."""
+        return [int(i) for i in self.info["instance_ids"]]
+
+
+def _read_ready(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any] | None:
+    """Wait for the ``READY <json>`` line on the child's stdout."""
+    lines: queue.Queue[bytes | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="register-stdout", daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return None
+        if line is None:
+            return None
+        text = line.decode("utf-8", "replace").strip()
+        if text.startswith("READY "):
+            info: dict[str, Any] = json.loads(text[len("READY ") :])
+            return info
+
+
+def _stop_registration(proc: subprocess.Popen[bytes], pid_segments: str) -> None:
+    if proc.poll() is None and proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # EOF: the script unregisters and exits
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    # The script unlinks its /dev/shm/lmcache_kv_<pid>_<n> segments; if it was
+    # killed they would stay, so sweep them (this pid only).
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(pid_segments):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
+@contextlib.contextmanager
+def registered_engine(
+    server: LocalServer,
+    *,
+    model: str,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    dtype: str = "bfloat16",
+    world_size: int = 1,
+    fill: str = "zeros",
+    heartbeat_interval: float = 5.0,
+    log_dir: Path | None = None,
+    timeout: float = 120.0,
+) -> Iterator[Registration]:
+    """Register CPU HND caches with ``server`` (lmcache-driven) for the ``with`` body.
+
+    Runs ``register_cpu_engine.py`` with the server's interpreter, waits for
+    ``READY``, and on exit closes its stdin (it unregisters and exits) and
+    reaps it. The server must run ``--supported-transfer-mode auto`` or
+    ``lmcache_driven``.
+    """
+    log_path = (log_dir or server.log_path.parent) / (
+        f"register-{model}-{server.zmq_port}-{time.monotonic_ns()}.log"
+    )
+    argv = [
+        server.config.python,
+        str(REGISTER_SCRIPT),
+        "--url", server.url,
+        "--model", model,
+        "--num-layers", str(num_layers),
+        "--num-kv-heads", str(num_kv_heads),
+        "--head-dim", str(head_dim),
+        "--block-size", str(block_size),
+        "--num-blocks", str(num_blocks),
+        "--dtype", dtype,
+        "--world-size", str(world_size),
+        "--fill", fill,
+        "--heartbeat-interval", str(heartbeat_interval),
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=server_env(),
+        )
+    segments = f"lmcache_kv_{proc.pid}_"
+    try:
+        info = _read_ready(proc, timeout)
+        if info is None:
+            proc.kill()
+            proc.wait(timeout=30)
+            tail = "\n".join(log_path.read_text("utf-8", "replace").splitlines()[-30:])
+            raise AssertionError(
+                f"register_cpu_engine.py did not print READY (rc={proc.returncode}) "
+                f"against {server!r}\nlog {log_path}:\n{tail}"
+            )
+        yield Registration(info=info, proc=proc, log_path=log_path)
+    finally:
+        _stop_registration(proc, segments)
+
+
+# --------------------------------------------------------------------------- leak checks
+
+
+def leak_report(status: dict[str, Any], allowed_instance_ids: Iterable[int] = ()) -> list[str]:
+    """Problems found in one ``/status`` snapshot (empty list: no leaks)."""
+    problems: list[str] = []
+    if status.get("active_sessions", 0) != 0:
+        problems.append(f"active_sessions={status.get('active_sessions')}")
+    l1 = status.get("storage_manager", {}).get("l1_manager", {})
+    for name in ("read_locked_count", "write_locked_count"):
+        if l1.get(name, 0) != 0:
+            problems.append(f"storage_manager.l1_manager.{name}={l1.get(name)}")
+    allowed = {int(i) for i in allowed_instance_ids}
+    left = sorted(set(int(i) for i in status.get("registered_non_cuda_instance_ids", [])) - allowed)
+    if left:
+        problems.append(f"registered_non_cuda_instance_ids left: {left}")
+    return problems
+
+
+def assert_no_leaks(
+    server: LocalServer,
+    *,
+    allowed_instance_ids: Iterable[int] = (),
+    timeout: float = 5.0,
+) -> None:
+    """Assert the server holds no sessions, L1 locks or stray engine-driven registrations.
+
+    Polls ``/status`` for up to ``timeout`` seconds (cleanup RPCs may still be
+    in flight on the server's worker threads) before failing.
+    """
+    allowed = list(allowed_instance_ids)
+    deadline = time.monotonic() + timeout
+    while True:
+        problems = leak_report(server.status(), allowed)
+        if not problems:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"server {server!r} leaks: " + "; ".join(problems))
+        time.sleep(0.1)
