@@ -12,6 +12,7 @@ Quick start::
         out = await ctx.retrieve(tokens)       # [2, L, n, D], or None on a miss
 """
 
+from . import wire
 from .api import close, lookup, retrieve, store
 from .context import AsyncKVContext, StoreResult, TransportMode, connect
 from .errors import (

@@ -294,7 +294,12 @@ class AsyncKVContext:
             # An operation may still hold addresses into it; unmap at close.
             self._retired_pools.append(old_pool)
         mode: Literal["shm", "pickle"] = "pickle"
-        if reply.has_shm and self._requested_transport != "pickle":
+        if reply.has_shm and self._requested_transport == "pickle":
+            raise TransportUnavailableError(
+                "transport='pickle' but the server has an SHM pool, and an SHM server "
+                "serves retrieves only through it; use transport='auto' or 'shm'"
+            )
+        if reply.has_shm:
             try:
                 pool = PoolMapping(reply.shm_name, reply.pool_size, shm_dir=self._shm_dir)
             except OSError as exc:
@@ -302,8 +307,10 @@ class AsyncKVContext:
                     raise TransportUnavailableError(
                         f"cannot map the server's SHM pool {reply.shm_name!r}: {exc}"
                     ) from None
-                log.warning("SHM pool %s cannot be opened (%s); falling back to pickle",
-                            reply.shm_name, exc)
+                log.warning(
+                    "SHM pool %s cannot be opened (%s); falling back to pickle: stores and "
+                    "lookups work, retrieves from this SHM server raise "
+                    "TransportUnavailableError", reply.shm_name, exc)
             else:
                 if self._prefault:
                     how = await asyncio.to_thread(pool.populate)
@@ -596,6 +603,14 @@ class AsyncKVContext:
             prepared = "sent"
             raw = await self._rpc(conn, "prepare_retrieve", [key, pack(self.instance_id)],
                                   deadline)
+            if spec is None and _has_slots(raw):
+                # An SHM server serves retrieves only through its pool, which this
+                # client could not map; commit_retrieve (cleanup) releases the read.
+                prepared = "shm"
+                raise TransportUnavailableError(
+                    "the server serves retrieves only through its SHM pool, which this "
+                    f"client could not map (shm_dir={self._shm_dir!r})"
+                )
             reply = parse_prepare_retrieve(raw, spec, hit)
             prepared = "shm" if reply.shm else "pickle"
             if not reply.success:
@@ -769,6 +784,11 @@ class AsyncKVContext:
     async def status(self) -> dict[str, Any]:
         """The server's ``/status`` (locks, sessions, registrations)."""
         return await self._http.status()
+
+
+def _has_slots(raw: object) -> bool:
+    context = raw.get("context") if isinstance(raw, dict) else None
+    return isinstance(context, dict) and "slots" in context
 
 
 async def _maybe_thread(fn: Callable[..., T], arg: Any, nbytes: int) -> T:

@@ -1,0 +1,98 @@
+"""Connect-time behaviour: layout discovery, server modes, dialects (real servers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from servers import VERSIONS, assert_no_leaks
+from test_context import random_kv, same_bits, tokens_for
+
+import lmkv_async as lmkv
+from lmkv_async.local_server import LocalServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_discovered_layout_matches_engine(
+    version: str, server_factory: Callable[..., LocalServer], register_engine: Callable[..., Any]
+) -> None:
+    server = server_factory(version)
+    model = f"discover-{version}"
+    reg = register_engine(server, model=model, num_layers=3, num_kv_heads=4, head_dim=32,
+                          block_size=16, dtype="float16")
+    async with lmkv.connect(server.url, server.http_url, model) as ctx:
+        assert ctx.layout == lmkv.KVLayout(num_layers=3, num_kv_heads=4, head_dim=32,
+                                           dtype=torch.float16, block_size=16)
+        toks = tokens_for(2 * ctx.chunk_size)
+        kv = random_kv(ctx.layout, len(toks), seed=11)
+        assert (await ctx.store(kv, toks)).written_chunks == 2
+        out = await ctx.retrieve(toks)
+        assert out is not None and same_bits(out, kv)
+    # an unknown model has no layout to discover: a typed error naming the fix
+    with pytest.raises(lmkv.LayoutNotFoundError, match="layout=KVLayout"):
+        await lmkv.connect(server.url, server.http_url, "no-such-model")
+    assert_no_leaks(server, allowed_instance_ids=reg.instance_ids)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_explicit_layout_needs_no_engine(
+    version: str, server_factory: Callable[..., LocalServer]
+) -> None:
+    server = server_factory(version, transfer_mode="engine_driven")
+    assert not server.status().get("cache_context_meta")
+    layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    async with lmkv.connect(server.url, server.http_url, "explicit", layout=layout) as ctx:
+        toks = tokens_for(ctx.chunk_size)
+        kv = random_kv(layout, len(toks), seed=12)
+        await ctx.store(kv, toks)
+        out = await ctx.retrieve(toks)
+        assert out is not None and same_bits(out, kv)
+    assert_no_leaks(server)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_lmcache_driven_server_fails_fast(
+    version: str, server_factory: Callable[..., LocalServer]
+) -> None:
+    server = server_factory(version, transfer_mode="lmcache_driven")
+    layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
+    t0 = time.monotonic()
+    with pytest.raises(lmkv.UnsupportedServerError, match="--supported-transfer-mode"):
+        await lmkv.connect(server.url, server.http_url, "m", layout=layout, timeout=60)
+    assert time.monotonic() - t0 < 5, "must not wait for the 60 s timeout"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_dialect_chosen_from_version(
+    version: str, server_factory: Callable[..., LocalServer]
+) -> None:
+    server = server_factory(version)
+    layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
+    async with lmkv.connect(server.url, server.http_url, "dialect", layout=layout) as ctx:
+        expected = lmkv.wire.DIALECT_052 if version == "0.5.2" else lmkv.wire.DIALECT_056
+        assert ctx.dialect is expected
+        # the request loop is alive after everything we sent (a wrong op id would kill it)
+        conn = ctx._transport.pick()
+        assert await conn.probe(ctx.dialect.op_id("noop"), timeout=5) == "OK"
+    assert_no_leaks(server)
+
+
+async def test_idle_context_keeps_registration_via_heartbeat(
+    server_factory: Callable[..., LocalServer]
+) -> None:
+    server = server_factory("0.5.6")
+    layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
+    async with lmkv.connect(server.url, server.http_url, "hb", layout=layout,
+                            heartbeat_interval=0.2) as ctx:
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        status = server.status()
+        assert ctx.instance_id in status["registered_non_cuda_instance_ids"]
+        assert status["worker_liveness"]["tracked_instances"] >= 1
+    assert ctx.instance_id not in server.status()["registered_non_cuda_instance_ids"]
