@@ -28,6 +28,7 @@ from .errors import (
     TransportUnavailableError,
     UnsupportedServerError,
 )
+from .fanout import ItemResult
 from .layout import KVLayout, LayoutNotFoundError
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "ClosedError",
     "CopyBoundsError",
     "InvalidInputError",
+    "ItemResult",
     "KVCacheError",
     "KVLayout",
     "LayoutMismatchError",
@@ -55,4 +57,5 @@ __all__ = [
     "lookup",
     "retrieve",
     "store",
+    "wire",
 ]

@@ -40,11 +40,12 @@ from .errors import (
     TransportUnavailableError,
     UnsupportedServerError,
 )
+from .fanout import ItemResult, run_bounded
 from .http import HttpClient
 from .layout import KVLayout, discover_layout
 from .pickle_codec import dumps_tensors, loads_tensors
 from .shm import PoolMapping
-from .transport import Connection, Transport
+from .transport import Connection, LateHandler, Transport
 from .validate import Tokens, check_kv, check_out, check_salt, check_timeout, check_tokens
 from .wire.dialect import (
     PROBE_OP_ID,
@@ -54,7 +55,7 @@ from .wire.dialect import (
     dialect_from_probe,
     parse_version,
 )
-from .wire.frames import pack
+from .wire.frames import Reply, pack
 from .wire.keys import KeyEncoder, RegisterPayload, encode_register
 from .wire.messages import (
     SlotSpec,
@@ -367,8 +368,16 @@ class AsyncKVContext:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=CLEANUP_TIMEOUT + self.timeout)
+        give_up = time.monotonic() + CLEANUP_TIMEOUT + self.timeout
+        # Unregistering with a reservation outstanding would publish it (§6.6): wait for
+        # running operations and for late prepare_store replies first (bounded).
+        while time.monotonic() < give_up and (
+            self._tasks or any(c.late_pending for c in self._transport.connections)
+        ):
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=give_up - time.monotonic())
+            else:
+                await asyncio.sleep(0.05)
         if unregister and self._dialect is not None:
             try:
                 await self._rpc(
@@ -399,13 +408,14 @@ class AsyncKVContext:
 
     # ------------------------------------------------------------------ plumbing
     async def _rpc(self, conn: Connection, op: str, payloads: Sequence[bytes],
-                   deadline: float) -> object:
+                   deadline: float, on_late: LateHandler | None = None) -> object:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerTimeoutError("deadline expired before the request was sent", op=op,
                                      server=self.url, timeout=0.0)
         try:
-            reply = await conn.request(op, self.dialect.op_id(op), payloads, timeout=remaining)
+            reply = await conn.request(op, self.dialect.op_id(op), payloads, timeout=remaining,
+                                       on_late=on_late, late_window=CLEANUP_TIMEOUT)
         except ServerError as exc:
             if exc.op is None:
                 exc.op = op
@@ -427,14 +437,18 @@ class AsyncKVContext:
     async def _run(self, op: Callable[[_OpState], Coroutine[Any, Any, T]]) -> T:
         """Run an operation in its own task; shield it from the caller's cancellation."""
         state = _OpState()
-        task = asyncio.create_task(op(state))
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task = self._track(asyncio.create_task(op(state)))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             state.abandoned = True
             raise
+
+    def _track(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """Keep a background task until it ends; aclose() waits for all of them."""
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -714,10 +728,9 @@ class AsyncKVContext:
         key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
         iid = pack(self.instance_id)
         pool, spec = self._pool, self._slot_spec
-        sent = False
-        try:
-            sent = True
-            raw = await self._rpc(conn, "prepare_store", [key, iid], deadline)
+        src = kv[:, :, :n]
+
+        async def fill_and_commit(raw: object, commit_deadline: float) -> int:
             prep = parse_prepare_store(raw, spec, total)
             if not prep.shm:
                 raise ProtocolError("SHM context got a pickle-style prepare_store reply",
@@ -730,16 +743,34 @@ class AsyncKVContext:
                 for i, s in zip(prep.chunk_indices, prep.slots, strict=True)
             ]
             nbytes = len(chunks) * C * self.layout.token_bytes()
-            # Every reserved slot is filled completely before commit (§6.6); from
-            # here on the sequence is not abandoned even if the caller is cancelled.
-            await kcopy.run_copy(kcopy.dense_to_chunks, kv[:, :, :n], chunks, chunk_tokens=C,
+            # Every reserved slot is filled completely before commit (§6.6); the
+            # sequence runs on even if the caller is cancelled.
+            await kcopy.run_copy(kcopy.dense_to_chunks, src, chunks, chunk_tokens=C,
                                  region=pool.region, nbytes=nbytes)
-            ok = as_bool(await self._rpc(conn, "commit_store", [key, iid, pack(b"")], deadline),
-                         "commit_store")
+            ok = as_bool(
+                await self._rpc(conn, "commit_store", [key, iid, pack(b"")], commit_deadline),
+                "commit_store",
+            )
             return len(prep.slots) if ok else 0
-        finally:
-            if sent:
+
+        async def late_store(reply: Reply) -> None:
+            # prepare_store answered after its deadline: the slots are reserved
+            # anyway and an unfilled reservation could later be published (§6.6).
+            try:
+                await fill_and_commit(reply.result(), time.monotonic() + CLEANUP_TIMEOUT)
+            except KVCacheError as exc:
+                log.warning("completing a late prepare_store failed: %s", exc)
+            finally:
                 await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+
+        def on_late(reply: Reply) -> None:
+            self._track(asyncio.create_task(late_store(reply)))
+
+        try:
+            raw = await self._rpc(conn, "prepare_store", [key, iid], deadline, on_late=on_late)
+            return await fill_and_commit(raw, deadline)
+        finally:
+            await self._cleanup_rpc(conn, "end_session", [pack(rid)])
 
     async def _store_pickle(self, toks: list[int], total: int, salt: str, kv: torch.Tensor,
                             deadline: float) -> int:
@@ -779,6 +810,64 @@ class AsyncKVContext:
             return await self._lookup_locked(conn, enc, n, rid, deadline, progress)
         finally:
             await self._release_lookup(conn, enc, n, rid, progress, free_hit=True)
+
+    # ------------------------------------------------------------------ fan-out
+    async def lookup_many(
+        self,
+        token_lists: Sequence[Tokens],
+        *,
+        cache_salt: str = "",
+        max_in_flight: int = 32,
+        timeout: float | None = None,
+    ) -> list[ItemResult[int]]:
+        """:meth:`lookup` for many sequences, at most ``max_in_flight`` at once.
+
+        Returns one :class:`ItemResult` per input, in input order; ``value`` is
+        the cached prefix length in tokens, or ``error`` holds that item's error.
+        """
+        return await run_bounded(
+            token_lists,
+            lambda toks: self.lookup(toks, cache_salt=cache_salt, timeout=timeout),
+            max_in_flight,
+        )
+
+    async def retrieve_many(
+        self,
+        token_lists: Sequence[Tokens],
+        *,
+        outs: Sequence[torch.Tensor | None] | None = None,
+        cache_salt: str = "",
+        max_in_flight: int = 32,
+        timeout: float | None = None,
+    ) -> list[ItemResult[torch.Tensor | None]]:
+        """:meth:`retrieve` for many sequences (``outs[i]`` is item i's buffer, or None).
+
+        One :class:`ItemResult` per input, in order; ``value`` is the tensor, or
+        None on a miss; ``error`` holds that item's error.
+        """
+        if outs is not None and len(outs) != len(token_lists):
+            raise InvalidInputError(f"{len(outs)} outs for {len(token_lists)} token lists")
+        pairs = list(zip(token_lists, outs or [None] * len(token_lists), strict=True))
+        return await run_bounded(
+            pairs,
+            lambda p: self.retrieve(p[0], out=p[1], cache_salt=cache_salt, timeout=timeout),
+            max_in_flight,
+        )
+
+    async def store_many(
+        self,
+        items: Sequence[tuple[torch.Tensor, Tokens]],
+        *,
+        cache_salt: str = "",
+        max_in_flight: int = 32,
+        timeout: float | None = None,
+    ) -> list[ItemResult[StoreResult]]:
+        """:meth:`store` for many ``(kv, tokens)`` pairs; one :class:`ItemResult` each."""
+        return await run_bounded(
+            items,
+            lambda it: self.store(it[0], it[1], cache_salt=cache_salt, timeout=timeout),
+            max_in_flight,
+        )
 
     # ------------------------------------------------------------------ maintenance
     async def status(self) -> dict[str, Any]:

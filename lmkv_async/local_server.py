@@ -384,6 +384,15 @@ class LocalServer:
                     return
                 time.sleep(0.2)
 
+    def probe(self, timeout: float = 2.0) -> object:
+        """One ZMQ round trip (op 21) on a fresh socket.
+
+        Returns ``"OK"`` (0.5.0-0.5.2 table), the chunk size (0.5.3+), or
+        ``None`` if nothing valid came back within ``timeout`` seconds (dead,
+        frozen or wedged request loop).
+        """
+        return self._zmq_probe(timeout)
+
     def _zmq_probe(self, timeout: float) -> object:
         """Send op 21 on a fresh DEALER; return the decoded reply or ``None``."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -38,12 +38,17 @@ log = logging.getLogger("lmkv_async.transport")
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
+LateHandler = Callable[[Reply], None]
+
+
 @dataclass
 class _Pending:
     future: asyncio.Future[Reply]
     op_frame: bytes
     op: str
     started: float
+    #: set once the request timed out but its reply is still wanted (see request())
+    late: LateHandler | None = None
 
 
 class Connection:
@@ -70,6 +75,11 @@ class Connection:
     def in_flight(self) -> int:
         """Number of requests waiting for a reply."""
         return len(self._pending)
+
+    @property
+    def late_pending(self) -> int:
+        """Timed-out requests whose late reply is still awaited."""
+        return sum(1 for p in self._pending.values() if p.late is not None)
 
     @property
     def connected(self) -> bool:
@@ -122,24 +132,48 @@ class Connection:
             # A reply to a request that timed out or was cancelled, or a stray uid.
             log.debug("dropping reply with unknown uid frame %s", bytes(frames[0])[:16].hex())
             return
+        if pending.late is not None:
+            del self._pending[bytes(frames[0])]
+            try:
+                reply = decode_reply(frames, expected_op=pending.op_frame)
+            except ProtocolError as exc:
+                log.warning("malformed late reply to %s: %s", pending.op, exc)
+                return
+            pending.late(reply)
+            return
         if pending.future.done():
             return
         try:
             reply = decode_reply(frames, expected_op=pending.op_frame)
         except ProtocolError as exc:
-            pending.future.set_exception(ProtocolError(str(exc), op=pending.op, server=self.url))
+            pending.future.set_exception(ProtocolError(exc.message, op=pending.op, server=self.url))
             return
         pending.future.set_result(reply)
 
     def _fail_all(self, exc: Exception) -> None:
-        for pending in list(self._pending.values()):
-            if not pending.future.done():
+        for key, pending in list(self._pending.items()):
+            if pending.late is not None:
+                del self._pending[key]  # the peer that owed this reply is gone
+            elif not pending.future.done():
                 pending.future.set_exception(exc)
 
     async def request(
-        self, op: str, op_id: int, payloads: Sequence[bytes], *, timeout: float
+        self,
+        op: str,
+        op_id: int,
+        payloads: Sequence[bytes],
+        *,
+        timeout: float,
+        on_late: LateHandler | None = None,
+        late_window: float = 0.0,
     ) -> Reply:
-        """Send one request and await its reply within ``timeout`` seconds."""
+        """Send one request and await its reply within ``timeout`` seconds.
+
+        With ``on_late``, a request that times out stays registered for
+        ``late_window`` more seconds and a reply arriving then is handed to
+        ``on_late``: a ``prepare_store`` answered late has reserved slots that
+        must still be filled and committed.
+        """
         if self._closed:
             raise ClosedError("transport is closed")
         started = time.monotonic()
@@ -153,17 +187,23 @@ class Connection:
         self._pending[key] = _Pending(future, frames[1], op, started)
         remaining = max(0.0, timeout - (time.monotonic() - started))
         timer = loop.call_later(remaining, _expire, future)
+        keep_for_late = False
         try:
             await self._sock.send_multipart(frames, copy=False)
             return await future
         except _Expired:
+            keep_for_late = on_late is not None and late_window > 0
             raise ServerTimeoutError(
                 "no reply", op=op, server=self.url, timeout=timeout,
                 elapsed=time.monotonic() - started,
             ) from None
         finally:
             timer.cancel()
-            self._pending.pop(key, None)
+            if keep_for_late and key in self._pending:
+                self._pending[key].late = on_late
+                loop.call_later(late_window, self._pending.pop, key, None)
+            else:
+                self._pending.pop(key, None)
 
     async def probe(self, op_id: int, *, timeout: float) -> object:
         """Send an op with no payload and return its decoded result (for detection)."""

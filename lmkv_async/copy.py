@@ -1,0 +1,740 @@
+"""Copy kernel: moves KV data between dense tensors, chunk objects and paged caches.
+
+Layouts (CPU memory; element size 1, 2, 4 or 8 bytes):
+
+* **dense** ``[P, L, T, D]`` -- ``P = 2`` (K, V) or ``1`` (MLA), any strides as
+  long as the last dim is contiguous (``out[:, :, :T]`` views are fine).
+* **chunk object** -- a C-order ``[P, L, n, D]`` block at a raw address, holding
+  tokens ``[k*C, k*C + n)`` of the dense tensor, where ``C = chunk_tokens`` and
+  ``n = min(C, T - k*C)``: full chunks hold ``C`` tokens, a trailing partial
+  chunk is stored compactly with its ``n`` tokens.  Chunks are given as
+  ``(k, address)`` placements; addresses normally come from the network, so each
+  ``[address, address + P*L*n*D*itemsize)`` is checked against ``region`` (the
+  shared-memory mapping, or one :class:`Region` per chunk for tensor-backed
+  chunks, see :func:`tensor_placements`) before anything is copied.
+* **paged** -- one tensor per layer, ``[NB, P, NH, BS, HS]`` (HND; any strides
+  with ``HS`` contiguous) or ``[NB, BS, D]`` for MLA, plus a block table:
+  ``dense[kv, l, p, h*HS + d] = cache_l[block_ids[p // BS], kv, h, p % BS, d]``.
+
+Every check (shapes, dtypes, region bounds, block ids) runs before the first
+byte is written, so a rejected call leaves every destination untouched.  Errors:
+:class:`~lmkv_async.errors.CopyBoundsError` for anything that would leave a
+mapping or tensor (chunk ranges, chunk indices, block ids),
+:class:`~lmkv_async.errors.LayoutMismatchError` for tensors that do not fit
+together, :class:`~lmkv_async.errors.InvalidInputError` for other bad arguments.
+
+Two backends, bit-identical: ``"c"`` -- the ``lmkv_async._copy`` extension
+(GIL released for the whole copy, streaming stores for payloads >= 1 MiB, a
+persistent two-thread pool for payloads >= 4 MiB; ``LMKV_COPY_THREADS``
+overrides the thread count) -- and ``"torch"``, a pure-torch fallback.
+``"auto"`` picks ``"c"`` when the extension is built.
+
+Overlapping destinations (two chunks at the same address, a block id repeated in
+a write to the paged cache) give an unspecified one of the candidate values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import mmap
+import operator
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
+
+import anyio.to_thread
+import torch
+from torch import Tensor
+
+from .errors import (
+    CopyBoundsError,
+    InvalidInputError,
+    LayoutMismatchError,
+    TransportUnavailableError,
+)
+
+__all__ = [
+    "INLINE_LIMIT",
+    "Region",
+    "alloc_output",
+    "chunks_to_dense",
+    "chunks_to_paged",
+    "dense_to_chunks",
+    "dense_to_paged",
+    "kernel_available",
+    "num_threads",
+    "paged_to_chunks",
+    "paged_to_dense",
+    "run_copy",
+    "set_num_threads",
+    "stream_copy",
+    "tensor_placements",
+]
+
+#: Copies smaller than this run inline in :func:`run_copy`; a thread hop costs
+#: more than copying 1 MiB.
+INLINE_LIMIT = 1 << 20
+
+_ext: Any
+try:
+    _ext = importlib.import_module("lmkv_async._copy")
+except ImportError:  # not built: the torch fallback serves every call
+    _ext = None
+
+_ITEMSIZES = (1, 2, 4, 8)
+_ADDR_LIMIT = 1 << 64
+
+
+class Region(NamedTuple):
+    """A mapping ``[address, address + size)`` that chunk ranges must stay inside."""
+
+    address: int
+    size: int
+
+
+#: ``region`` argument: one mapping for all chunks, one per chunk, or ``None``
+#: (the caller vouches for the addresses, e.g. they are its own tensors).
+RegionArg = Region | Sequence[Region] | None
+
+
+def kernel_available() -> bool:
+    """Whether the C extension ``lmkv_async._copy`` is importable."""
+    return _ext is not None
+
+
+def num_threads() -> int:
+    """Threads (including the caller) the C kernel uses for large copies (1 without it)."""
+    return int(_ext.num_threads()) if _ext is not None else 1
+
+
+def set_num_threads(n: int) -> None:
+    """Set the C kernel's thread count (including the caller); workers start lazily."""
+    if _ext is not None:
+        _ext.set_num_threads(int(n))
+
+
+def _use_c(backend: str) -> bool:
+    if backend == "auto":
+        return _ext is not None
+    if backend == "c":
+        if _ext is None:
+            raise TransportUnavailableError("the C copy kernel lmkv_async._copy is not built")
+        return True
+    if backend == "torch":
+        return False
+    raise InvalidInputError(f"backend must be 'auto', 'c' or 'torch', got {backend!r}")
+
+
+# --------------------------------------------------------------------------- checks
+
+
+class _Dense(NamedTuple):
+    ptr: int
+    P: int
+    L: int
+    T: int
+    D: int
+    itemsize: int
+    sP: int  # byte strides
+    sL: int
+    sT: int
+
+
+def _check_no_overlap(name: str, shape: Sequence[int], strides: Sequence[int]) -> None:
+    # A destination whose elements alias each other (expand(), as_strided) would
+    # make the result depend on thread timing; torch's copy_ refuses it too.
+    dims = sorted((st, sz) for sz, st in zip(shape, strides, strict=True) if sz > 1)
+    reach = 1
+    for st, sz in dims:
+        if st < reach:
+            raise LayoutMismatchError(f"{name} has overlapping elements (strides {strides})")
+        reach = st * sz
+
+
+def _check_extent(name: str, t: Tensor) -> None:
+    if t.numel() == 0:
+        return
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    if (last + 1) * t.element_size() > t.untyped_storage().nbytes():
+        raise CopyBoundsError(f"{name} reaches past the end of its storage")
+
+
+def _dense(t: Tensor, name: str, *, write: bool) -> _Dense:
+    if not isinstance(t, Tensor):
+        raise LayoutMismatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise LayoutMismatchError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.dim() != 4:
+        raise LayoutMismatchError(f"{name} must be [P, L, T, D], got shape {tuple(t.shape)}")
+    it = t.element_size()
+    if it not in _ITEMSIZES or t.is_complex():
+        raise LayoutMismatchError(f"{name} has unsupported dtype {t.dtype}")
+    P, L, T, D = t.shape
+    s = t.stride()
+    if D > 1 and s[3] != 1:
+        raise LayoutMismatchError(f"{name}'s last dim must be contiguous, strides {s}")
+    if write:
+        _check_no_overlap(name, t.shape, s)
+    _check_extent(name, t)
+    return _Dense(t.data_ptr(), P, L, T, D, it, s[0] * it, s[1] * it, s[2] * it)
+
+
+class _Paged(NamedTuple):
+    views: list[Tensor]  # per layer, as [NB, P, NH, BS, HS]
+    P: int
+    NH: int
+    BS: int
+    HS: int
+    NB: int
+    dtype: torch.dtype
+    lay: array[int]  # L x (ptr, s_nb, s_kv, s_h, s_bs) in bytes, for the C kernel
+
+
+def _paged(caches: Sequence[Tensor], *, write: bool) -> _Paged:
+    if isinstance(caches, Tensor) or not isinstance(caches, Sequence):
+        raise LayoutMismatchError("caches must be a sequence of per-layer tensors")
+    if len(caches) == 0:
+        raise LayoutMismatchError("caches is empty")
+    first = caches[0]
+    if not isinstance(first, Tensor):
+        raise LayoutMismatchError("caches must be a sequence of per-layer tensors")
+    shape, dtype = tuple(first.shape), first.dtype
+    if len(shape) not in (3, 5):
+        raise LayoutMismatchError(
+            f"a paged cache layer must be [NB, P, NH, BS, HS] or [NB, BS, D], got {shape}"
+        )
+    it = first.element_size()
+    if it not in _ITEMSIZES or first.is_complex():
+        raise LayoutMismatchError(f"caches have unsupported dtype {dtype}")
+    views: list[Tensor] = []
+    lay = array("q")
+    for i, c in enumerate(caches):
+        if not isinstance(c, Tensor) or c.device.type != "cpu":
+            raise LayoutMismatchError(f"caches[{i}] must be a CPU tensor")
+        if tuple(c.shape) != shape or c.dtype != dtype:
+            raise LayoutMismatchError(
+                f"caches[{i}] is {tuple(c.shape)} {c.dtype}, caches[0] is {shape} {dtype}"
+            )
+        # MLA [NB, BS, D] is the HND layout with P = NH = 1
+        v = c[:, None, None] if len(shape) == 3 else c
+        s = v.stride()
+        if v.shape[4] > 1 and s[4] != 1:
+            raise LayoutMismatchError(f"caches[{i}]'s head dim must be contiguous, strides {s}")
+        if write:
+            _check_no_overlap(f"caches[{i}]", v.shape, s)
+        _check_extent(f"caches[{i}]", v)
+        views.append(v)
+        lay.extend((v.data_ptr(), s[0] * it, s[1] * it, s[2] * it, s[3] * it))
+    NB, P, NH, BS, HS = views[0].shape
+    if BS < 1 or NH < 1 or HS < 1:
+        raise LayoutMismatchError(f"degenerate paged cache shape {shape}")
+    return _Paged(views, P, NH, BS, HS, NB, dtype, lay)
+
+
+def _chunk_tokens(c: int) -> int:
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise InvalidInputError(f"chunk_tokens must be a positive int, got {c!r}")
+    return c
+
+
+def _region_args(region: RegionArg) -> tuple[int, int, int, Any]:
+    """(mode, base, size, per-chunk list) as the C kernel takes them."""
+    if region is None:
+        return 0, 0, 0, None
+    if isinstance(region, tuple) and len(region) == 2 and all(isinstance(x, int) for x in region):
+        base, size = cast("tuple[int, int]", region)
+        if not (0 <= base < _ADDR_LIMIT and 0 <= size < _ADDR_LIMIT):
+            raise InvalidInputError("region must be (address, size) within 64 bits")
+        if base + size >= _ADDR_LIMIT:
+            raise InvalidInputError("region wraps around the address space")
+        return 1, base, size, None
+    return 2, 0, 0, region
+
+
+class _Placed(NamedTuple):
+    k: int
+    addr: int
+    ntok: int
+
+
+def _check_placements(
+    chunks: Sequence[tuple[int, int]],
+    region: RegionArg,
+    *,
+    P: int,
+    L: int,
+    T: int,
+    C: int,
+    row: int,
+) -> list[_Placed]:
+    """Pure-Python twin of the C kernel's checks (same order, same errors)."""
+    mode, rbase, rsize, rlist = _region_args(region)
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        chunks = list(chunks)
+    if mode == 2:
+        if isinstance(rlist, (str, bytes)) or not isinstance(rlist, Sequence):
+            raise TypeError("region must be a Region or a sequence of them")
+        if len(rlist) != len(chunks):
+            raise InvalidInputError(f"got {len(rlist)} regions for {len(chunks)} chunks")
+    out: list[_Placed] = []
+    for i, item in enumerate(chunks):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidInputError("chunks must be (int, int) pairs")
+        k, addr = operator.index(item[0]), operator.index(item[1])
+        if not 0 <= addr < _ADDR_LIMIT:
+            raise CopyBoundsError("chunk address is not a valid 64-bit address")
+        if k < 0 or k * C >= T:
+            raise CopyBoundsError(f"chunk #{i}: index {k} outside the {T}-token range")
+        ntok = min(C, T - k * C)
+        end = addr + P * L * ntok * row
+        if end >= _ADDR_LIMIT or addr == 0:
+            raise CopyBoundsError(f"chunk #{i}: address {addr:#x} is not valid")
+        if mode == 2:
+            r = rlist[i]
+            if not isinstance(r, (tuple, list)) or len(r) != 2:
+                raise InvalidInputError("regions must be (int, int) pairs")
+            rbase, rsize = operator.index(r[0]), operator.index(r[1])
+            if not (0 <= rbase < _ADDR_LIMIT and 0 <= rsize < _ADDR_LIMIT):
+                raise InvalidInputError(f"region #{i} is not (address, size)")
+            if rbase + rsize >= _ADDR_LIMIT:
+                raise InvalidInputError(f"region #{i} wraps around the address space")
+        if mode and not (rbase <= addr and end <= rbase + rsize):
+            raise CopyBoundsError(
+                f"chunk #{i}: [{addr:#x}, {end:#x}) is outside its region "
+                f"[{rbase:#x}, {rbase + rsize:#x})"
+            )
+        out.append(_Placed(k, addr, ntok))
+    return out
+
+
+def _bt_args(block_ids: Sequence[int] | Tensor) -> tuple[Any, int, int, Tensor | None]:
+    """(sequence or None, int64 pointer, length, keep-alive) for the C kernel."""
+    if isinstance(block_ids, Tensor):
+        if block_ids.dim() != 1:
+            raise LayoutMismatchError(f"block_ids must be 1-D, got {tuple(block_ids.shape)}")
+        if block_ids.is_floating_point() or block_ids.is_complex():
+            raise LayoutMismatchError(f"block_ids must be integers, got {block_ids.dtype}")
+        bt = block_ids.to(device="cpu", dtype=torch.int64).contiguous()
+        return None, bt.data_ptr(), bt.numel(), bt
+    if isinstance(block_ids, (str, bytes)):
+        raise LayoutMismatchError("block_ids must be a sequence of ints or an int tensor")
+    return block_ids, 0, 0, None
+
+
+def _block_table(block_ids: Sequence[int] | Tensor, need: int, nb: int) -> Tensor:
+    """Checked int64 block table of length ``need`` (torch backend)."""
+    seq, _, n, bt = _bt_args(block_ids)
+    if bt is not None:
+        if n < need:
+            raise LayoutMismatchError(f"block table has {n} entries, {need} needed")
+        bt = bt[:need]
+        if need and (int(bt.min()) < 0 or int(bt.max()) >= nb):
+            bad = bt[(bt < 0) | (bt >= nb)][0]
+            raise CopyBoundsError(f"block id {int(bad)} is outside [0, {nb})")
+        return bt
+    if not isinstance(seq, Sequence):
+        seq = list(seq)
+    if len(seq) < need:
+        raise LayoutMismatchError(f"block table has {len(seq)} entries, {need} needed")
+    vals = [operator.index(seq[i]) for i in range(need)]
+    for i, b in enumerate(vals):
+        if not 0 <= b < nb:
+            raise CopyBoundsError(f"block id {b} at position {i} is outside [0, {nb})")
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------- torch backend
+
+
+def _raw(addr: int, ntok: int, g: _Dense | tuple[int, int, int, int], dtype: torch.dtype) -> Tensor:
+    """A [P, L, ntok, D] tensor over raw chunk memory (already bounds-checked)."""
+    P, L, D, it = (g.P, g.L, g.D, g.itemsize) if isinstance(g, _Dense) else g
+    nbytes = P * L * ntok * D * it
+    buf = (ctypes.c_char * nbytes).from_address(addr)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(P, L, ntok, D)
+
+
+def _t_pack(dense: Tensor, cache: Tensor, bt: Tensor, scratch: Tensor | None) -> None:
+    """dense [P, n, D] <- cache [NB, P, NH, BS, HS] through bt: row gather, then permute."""
+    _, P, NH, BS, HS = cache.shape
+    n = dense.shape[1]
+    full, rem = divmod(n, BS)
+    if full:
+        if scratch is not None:
+            g = torch.index_select(cache, 0, bt[:full], out=scratch[:full])
+        else:
+            g = cache.index_select(0, bt[:full])
+        dense[:, : full * BS].view(P, full, BS, NH, HS).copy_(g.permute(1, 0, 3, 2, 4))
+    if rem:
+        src = cache[int(bt[full])][:, :, :rem].permute(0, 2, 1, 3)
+        dense[:, full * BS :].view(P, rem, NH, HS).copy_(src)
+
+
+def _t_unpack(dense: Tensor, cache: Tensor, bt: Tensor) -> None:
+    """cache [NB, P, NH, BS, HS] <- dense [P, n, D] through bt (index_copy_ per block)."""
+    _, P, NH, BS, HS = cache.shape
+    n = dense.shape[1]
+    full, rem = divmod(n, BS)
+    if full:
+        src = dense[:, : full * BS].view(P, full, BS, NH, HS).permute(1, 0, 3, 2, 4)
+        cache.index_copy_(0, bt[:full], src)
+    if rem:
+        dst = cache[int(bt[full])][:, :, :rem].permute(0, 2, 1, 3)
+        dst.copy_(dense[:, full * BS :].view(P, rem, NH, HS))
+
+
+def _scratch(pg: _Paged, tokens: int) -> Tensor:
+    # One layer's gathered blocks, reused across layers to avoid L allocations.
+    full = tokens // pg.BS
+    return torch.empty((full, pg.P, pg.NH, pg.BS, pg.HS), dtype=pg.dtype)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def chunks_to_dense(
+    dst: Tensor,
+    chunks: Sequence[tuple[int, int]],
+    *,
+    chunk_tokens: int,
+    region: RegionArg,
+    backend: str = "auto",
+) -> None:
+    """Gather chunk objects into ``dst`` ``[P, L, T, D]``: ``dst[:, :, k*C:k*C+n] = chunk_k``.
+
+    ``chunks`` are ``(k, address)`` placements; only the listed chunks' tokens
+    are written.  Every chunk range is checked against ``region`` first.
+    """
+    g = _dense(dst, "dst", write=True)
+    C = _chunk_tokens(chunk_tokens)
+    if _use_c(backend):
+        mode, base, size, rl = _region_args(region)
+        _ext.chunks_dense(
+            1,
+            g.ptr,
+            g.P,
+            g.L,
+            g.T,
+            g.D * g.itemsize,
+            g.sP,
+            g.sL,
+            g.sT,
+            C,
+            chunks,
+            mode,
+            base,
+            size,
+            rl,
+        )
+        return
+    placed = _check_placements(chunks, region, P=g.P, L=g.L, T=g.T, C=C, row=g.D * g.itemsize)
+    for p in placed:
+        dst[:, :, p.k * C : p.k * C + p.ntok].copy_(_raw(p.addr, p.ntok, g, dst.dtype))
+
+
+def dense_to_chunks(
+    src: Tensor,
+    chunks: Sequence[tuple[int, int]],
+    *,
+    chunk_tokens: int,
+    region: RegionArg,
+    backend: str = "auto",
+) -> None:
+    """Scatter ``src`` ``[P, L, T, D]`` into chunk objects: ``chunk_k = src[:, :, k*C:k*C+n]``."""
+    g = _dense(src, "src", write=False)
+    C = _chunk_tokens(chunk_tokens)
+    if _use_c(backend):
+        mode, base, size, rl = _region_args(region)
+        _ext.chunks_dense(
+            0,
+            g.ptr,
+            g.P,
+            g.L,
+            g.T,
+            g.D * g.itemsize,
+            g.sP,
+            g.sL,
+            g.sT,
+            C,
+            chunks,
+            mode,
+            base,
+            size,
+            rl,
+        )
+        return
+    placed = _check_placements(chunks, region, P=g.P, L=g.L, T=g.T, C=C, row=g.D * g.itemsize)
+    for p in placed:
+        _raw(p.addr, p.ntok, g, src.dtype).copy_(src[:, :, p.k * C : p.k * C + p.ntok])
+
+
+def _check_dense_paged(g: _Dense, pg: _Paged, dense: Tensor, name: str) -> None:
+    if g.L != len(pg.views):
+        raise LayoutMismatchError(f"{name} has {g.L} layers, caches has {len(pg.views)}")
+    if g.P != pg.P or g.D != pg.NH * pg.HS:
+        raise LayoutMismatchError(
+            f"{name} is [P={g.P}, D={g.D}], caches are [P={pg.P}, NH*HS={pg.NH * pg.HS}]"
+        )
+    if dense.dtype != pg.dtype:
+        raise LayoutMismatchError(f"{name} is {dense.dtype}, caches are {pg.dtype}")
+
+
+def _paged_dense(
+    to_dense: int,
+    dense: Tensor,
+    caches: Sequence[Tensor],
+    block_ids: Sequence[int] | Tensor,
+    backend: str,
+    name: str,
+) -> None:
+    g = _dense(dense, name, write=bool(to_dense))
+    pg = _paged(caches, write=not to_dense)
+    _check_dense_paged(g, pg, dense, name)
+    need = -(-g.T // pg.BS)
+    if _use_c(backend):
+        seq, bptr, blen, keep = _bt_args(block_ids)
+        _ext.paged(
+            to_dense,
+            g.P,
+            g.L,
+            g.T,
+            pg.NH,
+            pg.HS * g.itemsize,
+            pg.NB,
+            pg.BS,
+            pg.lay,
+            seq,
+            bptr,
+            blen,
+            g.ptr,
+            g.sP,
+            g.sL,
+            g.sT,
+            0,
+            None,
+            0,
+            0,
+            0,
+            None,
+        )
+        del keep
+        return
+    bt = _block_table(block_ids, need, pg.NB)
+    if to_dense:
+        scratch = _scratch(pg, g.T)
+        for layer, cache in enumerate(pg.views):
+            _t_pack(dense[:, layer], cache, bt, scratch)
+    else:
+        for layer, cache in enumerate(pg.views):
+            _t_unpack(dense[:, layer], cache, bt)
+
+
+def paged_to_dense(
+    dst: Tensor,
+    caches: Sequence[Tensor],
+    block_ids: Sequence[int] | Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Pack: ``dst[kv, l, p] = caches[l][block_ids[p // BS], kv, :, p % BS]`` for ``p < T``.
+
+    ``T = dst.shape[2]``; ``block_ids`` needs at least ``ceil(T / BS)`` entries,
+    each in ``[0, NB)``.
+    """
+    _paged_dense(1, dst, caches, block_ids, backend, "dst")
+
+
+def dense_to_paged(
+    src: Tensor,
+    caches: Sequence[Tensor],
+    block_ids: Sequence[int] | Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Unpack: the inverse of :func:`paged_to_dense`; slots past ``T`` in the last block
+    are left untouched."""
+    _paged_dense(0, src, caches, block_ids, backend, "src")
+
+
+def _paged_chunks(
+    to_chunks: int,
+    caches: Sequence[Tensor],
+    block_ids: Sequence[int] | Tensor,
+    chunks: Sequence[tuple[int, int]],
+    num_tokens: int,
+    chunk_tokens: int,
+    dtype: torch.dtype,
+    region: RegionArg,
+    backend: str,
+) -> None:
+    pg = _paged(caches, write=not to_chunks)
+    C = _chunk_tokens(chunk_tokens)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise InvalidInputError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    if dtype != pg.dtype:
+        raise LayoutMismatchError(f"dtype {dtype} does not match the caches' {pg.dtype}")
+    if C % pg.BS:
+        raise LayoutMismatchError(f"chunk_tokens={C} must be a multiple of the block size {pg.BS}")
+    it = pg.views[0].element_size()
+    L, T, row = len(pg.views), num_tokens, pg.NH * pg.HS * it
+    if _use_c(backend):
+        mode, base, size, rl = _region_args(region)
+        seq, bptr, blen, keep = _bt_args(block_ids)
+        _ext.paged(
+            to_chunks,
+            pg.P,
+            L,
+            T,
+            pg.NH,
+            pg.HS * it,
+            pg.NB,
+            pg.BS,
+            pg.lay,
+            seq,
+            bptr,
+            blen,
+            0,
+            0,
+            0,
+            0,
+            C,
+            chunks,
+            mode,
+            base,
+            size,
+            rl,
+        )
+        del keep
+        return
+    placed = _check_placements(chunks, region, P=pg.P, L=L, T=T, C=C, row=row)
+    bt = _block_table(block_ids, -(-T // pg.BS), pg.NB)
+    geom = (pg.P, L, pg.NH * pg.HS, it)
+    scratch = _scratch(pg, C) if to_chunks else None
+    for p in placed:
+        view = _raw(p.addr, p.ntok, geom, dtype)
+        b0 = p.k * C // pg.BS
+        sub = bt[b0 : b0 + -(-p.ntok // pg.BS)]
+        for layer, cache in enumerate(pg.views):
+            if to_chunks:
+                _t_pack(view[:, layer], cache, sub, scratch)
+            else:
+                _t_unpack(view[:, layer], cache, sub)
+
+
+def paged_to_chunks(
+    caches: Sequence[Tensor],
+    block_ids: Sequence[int] | Tensor,
+    chunks: Sequence[tuple[int, int]],
+    *,
+    num_tokens: int,
+    chunk_tokens: int,
+    dtype: torch.dtype,
+    region: RegionArg,
+    backend: str = "auto",
+) -> None:
+    """Direct store path: write the listed chunk objects straight from the paged cache.
+
+    ``chunk_k[kv, l, t] = caches[l][block_ids[(k*C + t) // BS], kv, :, (k*C + t) % BS]``;
+    ``chunk_tokens`` must be a multiple of the block size, ``dtype`` must match
+    the caches, ``block_ids`` needs ``ceil(num_tokens / BS)`` entries.
+    """
+    _paged_chunks(1, caches, block_ids, chunks, num_tokens, chunk_tokens, dtype, region, backend)
+
+
+def chunks_to_paged(
+    chunks: Sequence[tuple[int, int]],
+    caches: Sequence[Tensor],
+    block_ids: Sequence[int] | Tensor,
+    *,
+    num_tokens: int,
+    chunk_tokens: int,
+    dtype: torch.dtype,
+    region: RegionArg,
+    backend: str = "auto",
+) -> None:
+    """Direct retrieve path: the inverse of :func:`paged_to_chunks`."""
+    _paged_chunks(0, caches, block_ids, chunks, num_tokens, chunk_tokens, dtype, region, backend)
+
+
+def tensor_placements(
+    tensors: Sequence[Tensor], first_index: int = 0
+) -> tuple[list[tuple[int, int]], list[Region]]:
+    """Placements and per-chunk regions for chunk objects held in tensors (pickle path).
+
+    Chunk ``first_index + i`` is ``tensors[i]``; each must be contiguous.  Pass
+    the returned regions as ``region=`` so each chunk is checked against its own
+    tensor's extent.
+    """
+    placements: list[tuple[int, int]] = []
+    regions: list[Region] = []
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise LayoutMismatchError(f"chunk tensor #{i} must be a contiguous CPU tensor")
+        placements.append((first_index + i, t.data_ptr()))
+        regions.append(Region(t.data_ptr(), t.numel() * t.element_size()))
+    return placements, regions
+
+
+def stream_copy(dst: Tensor, src: Tensor) -> None:
+    """Copy contiguous ``src`` into contiguous ``dst`` (same byte size) with streaming
+    stores on all kernel threads: the bandwidth ceiling the other copies are measured
+    against.  Falls back to ``copy_`` without the extension."""
+    for name, t in (("dst", dst), ("src", src)):
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            raise LayoutMismatchError(f"{name} must be a contiguous CPU tensor")
+    n = dst.numel() * dst.element_size()
+    if n != src.numel() * src.element_size():
+        raise LayoutMismatchError("dst and src differ in size")
+    if _ext is not None:
+        _ext.stream_copy(dst.data_ptr(), src.data_ptr(), n)
+    elif n:
+        dst.view(-1).view(torch.uint8).copy_(src.view(-1).view(torch.uint8))
+
+
+_HUGE = 2 << 20
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module may not name it
+
+
+def alloc_output(shape: Sequence[int], dtype: torch.dtype, *, populate: bool = True) -> Tensor:
+    """Allocate an uninitialised CPU tensor that a copy can fill at full speed.
+
+    Writing into fresh ``torch.empty`` memory is bound by 4 KiB page faults
+    (a few GB/s).  For results >= 2 MiB this maps anonymous memory rounded to
+    2 MiB, asks for transparent huge pages (``MADV_HUGEPAGE``) and, with
+    ``populate``, pre-faults it with ``MADV_POPULATE_WRITE`` so the copy itself
+    never faults.  Either advice is skipped silently where the kernel lacks it.
+    The mapping is released when the tensor is freed.  Smaller results use
+    ``torch.empty``.
+    """
+    shape = tuple(int(s) for s in shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = itemsize
+    for s in shape:
+        nbytes *= s
+    if nbytes < _HUGE:
+        return torch.empty(shape, dtype=dtype)
+    mm = mmap.mmap(-1, -(-nbytes // _HUGE) * _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advices = [getattr(mmap, "MADV_HUGEPAGE", None)] + ([_MADV_POPULATE_WRITE] if populate else [])
+    for advice in advices:
+        if advice is None:
+            continue
+        try:
+            mm.madvise(advice, 0, nbytes)
+        except OSError:  # kernel without THP / POPULATE_WRITE: still correct, just slower
+            pass
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+async def run_copy(fn: Callable[..., None], *args: Any, nbytes: int, **kwargs: Any) -> None:
+    """Run ``fn(*args, **kwargs)`` inline when ``nbytes < INLINE_LIMIT``, else in a worker
+    thread via :func:`anyio.to_thread.run_sync` (the C kernel releases the GIL).
+
+    The thread is not abandoned on cancellation: the copy writes into caller
+    memory, so the await only returns once the copy has finished.
+    """
+    if nbytes < INLINE_LIMIT:
+        fn(*args, **kwargs)
+        return
+    await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
