@@ -17,6 +17,7 @@ reservation can later be published as a garbage entry, protocol reference §6.6)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
+import anyio.to_thread
 import torch
 
 from . import copy as kcopy
@@ -46,7 +48,15 @@ from .layout import KVLayout, discover_layout
 from .pickle_codec import dumps_tensors, loads_tensors
 from .shm import PoolMapping
 from .transport import Connection, LateHandler, Transport
-from .validate import Tokens, check_kv, check_out, check_salt, check_timeout, check_tokens
+from .validate import (
+    Tokens,
+    check_kv,
+    check_out,
+    check_paged,
+    check_salt,
+    check_timeout,
+    check_tokens,
+)
 from .wire.dialect import (
     PROBE_OP_ID,
     Dialect,
@@ -103,6 +113,10 @@ class StoreResult:
     def stored_tokens(self) -> int:
         """Tokens covered by chunks newly written by this call."""
         return self.written_chunks * self.chunk_size
+
+
+#: Copies chunk objects (placements, bounds) into the caller's destination for ``hit`` chunks.
+_Sink = Callable[[int, list[tuple[int, int]], kcopy.RegionArg], None]
 
 
 class _OpState:
@@ -574,9 +588,9 @@ class AsyncKVContext:
         tensor of the layout's dtype, ``T`` the full-chunk length of ``tokens``)
         the data is written into it and the view ``out[:, :, :n]`` is returned.
         Without it the result is allocated with :func:`lmkv_async.copy.alloc_output`
-        (pre-faulted, hugepage-advised memory, so large results do not pay the
-        page-fault cliff). If the call is cancelled, ``out`` may have been
-        partly written.
+        (2 MiB-aligned anonymous memory advised for transparent huge pages and
+        pre-faulted, so large results do not pay the 4 KiB page-fault cliff).
+        If the call is cancelled, ``out`` may have been partly written.
         """
         toks = check_tokens(tokens)
         salt = check_salt(cache_salt)
@@ -588,17 +602,61 @@ class AsyncKVContext:
         self._check_open()
         if n == 0:
             return None
+        layout = self.layout
+        result: list[torch.Tensor] = []
 
-        async def op(state: _OpState) -> torch.Tensor | None:
-            await self._ensure_registered(deadline)
-            return await self._retrieve_seq(state, toks, n, salt, out, deadline)
+        def sink(hit: int, chunks: list[tuple[int, int]], region: kcopy.RegionArg) -> None:
+            dst = out if out is not None else kcopy.alloc_output(
+                (layout.planes, layout.num_layers, hit * C, layout.hidden_dim), layout.dtype)
+            view = dst[:, :, : hit * C]
+            kcopy.chunks_to_dense(view, chunks, chunk_tokens=C, region=region)
+            result.append(view)
 
-        return await self._run(op)
+        hit = await self._run(lambda state: self._retrieve_seq(state, toks, n, salt, sink,
+                                                               deadline))
+        return result[0] if hit else None
+
+    async def retrieve_blocks(
+        self,
+        tokens: Tokens,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int] | torch.Tensor,
+        *,
+        cache_salt: str = "",
+        timeout: float | None = None,
+    ) -> int:
+        """Retrieve the cached prefix of ``tokens`` straight into a paged engine cache.
+
+        ``kv_caches`` is one HND tensor ``[NB, P, NH, BS, HS]`` per layer and
+        ``block_ids[j]`` the block holding tokens ``[j*BS, (j+1)*BS)``. Chunk
+        objects are copied into the blocks in one pass (no intermediate
+        ``[P, L, T, D]`` tensor). Returns the hit length in tokens; blocks past
+        it are untouched.
+        """
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        deadline = self._deadline(timeout)
+        C = self._chunk_size
+        n = len(toks) // C * C
+        bids = check_paged(kv_caches, block_ids, self.layout, n)
+        self._check_open()
+        if n == 0:
+            return 0
+        dtype = self.layout.dtype
+
+        def sink(hit: int, chunks: list[tuple[int, int]], region: kcopy.RegionArg) -> None:
+            kcopy.chunks_to_paged(chunks, kv_caches, bids, num_tokens=hit * C, chunk_tokens=C,
+                                  dtype=dtype, region=region)
+
+        hit = await self._run(lambda state: self._retrieve_seq(state, toks, n, salt, sink,
+                                                               deadline))
+        return hit * C
 
     async def _retrieve_seq(
-        self, state: _OpState, toks: list[int], n: int, salt: str,
-        out: torch.Tensor | None, deadline: float,
-    ) -> torch.Tensor | None:
+        self, state: _OpState, toks: list[int], n: int, salt: str, sink: _Sink, deadline: float,
+    ) -> int:
+        """lookup -> prepare_retrieve -> sink(chunks) -> commit_retrieve; returns hit chunks."""
+        await self._ensure_registered(deadline)
         C = self._chunk_size
         conn = self._transport.pick()
         enc = self._key(toks, salt)
@@ -606,11 +664,11 @@ class AsyncKVContext:
         progress: dict[str, Any] = {}
         # "none": prepare not sent; "sent": sent, no reply; "shm"/"pickle": reply in hand
         prepared = "none"
-        mode, spec, pool = self._mode, self._slot_spec, self._pool
+        spec, pool = self._slot_spec, self._pool
         try:
             hit = await self._lookup_locked(conn, enc, n, rid, deadline, progress)
             if hit == 0 or state.abandoned:
-                return None
+                return 0
             key = enc.encode(prefix_len=hit * C, start=0, end=hit * C, request_id=rid,
                              worker_id=0)
             progress["retrieve_key"] = key
@@ -631,29 +689,20 @@ class AsyncKVContext:
                 # An object went missing under our locks (0.5.2 peers can strip them).
                 log.warning("prepare_retrieve failed for %d chunks; reporting a miss", hit)
                 prepared = "failed"
-                return None
+                return 0
             if state.abandoned:
-                return None
-            dst = out if out is not None else kcopy.alloc_output(
-                (self.layout.planes, self.layout.num_layers, n, self.layout.hidden_dim),
-                self.layout.dtype,
-            )
-            view = dst[:, :, : hit * C]
+                return 0
             nbytes = hit * C * self.layout.token_bytes()
             if reply.shm:
-                if pool is None or reply.shm != (mode == "shm"):
-                    raise ProtocolError("SHM slots on a context without a mapped pool",
-                                        op="prepare_retrieve", server=self.url)
+                assert pool is not None  # spec is set only together with a pool
                 chunks = [(i, pool.address + s.offset) for i, s in enumerate(reply.slots)]
-                await kcopy.run_copy(kcopy.chunks_to_dense, view, chunks, chunk_tokens=C,
-                                     region=pool.region, nbytes=nbytes)
+                await kcopy.run_copy(sink, hit, chunks, pool.region, nbytes=nbytes)
             else:
-                tensors = await _maybe_thread(loads_tensors, reply.data, nbytes)
+                tensors = await _maybe_thread(loads_tensors, reply.data, nbytes=nbytes)
                 self._check_chunk_tensors(tensors, hit)
-                chunks = [(i, t.data_ptr()) for i, t in enumerate(tensors)]
-                await kcopy.run_copy(kcopy.chunks_to_dense, view, chunks, chunk_tokens=C,
-                                     region=None, nbytes=nbytes)
-            return view
+                chunks, regions = kcopy.tensor_placements(tensors)
+                await kcopy.run_copy(sink, hit, chunks, regions, nbytes=nbytes)
+            return hit
         finally:
             await self._release_retrieve(conn, enc, n, rid, progress, prepared)
 
@@ -703,6 +752,61 @@ class AsyncKVContext:
         deadline = self._deadline(timeout)
         self._check_open()
         C = self._chunk_size
+        n = len(toks) // C * C
+        src = kv[:, :, :n]
+
+        def to_chunks(chunks: list[tuple[int, int]], region: kcopy.RegionArg) -> None:
+            kcopy.dense_to_chunks(src, chunks, chunk_tokens=C, region=region)
+
+        return await self._store(toks, salt, to_chunks, lambda: src, deadline)
+
+    async def store_blocks(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int] | torch.Tensor,
+        tokens: Tokens,
+        *,
+        cache_salt: str = "",
+        timeout: float | None = None,
+    ) -> StoreResult:
+        """Store KV straight from a paged engine cache.
+
+        ``kv_caches`` is one HND tensor ``[NB, P, NH, BS, HS]`` per layer (as
+        vLLM keeps them) and ``block_ids[j]`` the block holding tokens
+        ``[j*BS, (j+1)*BS)``; at least ``ceil(n / BS)`` ids are needed for the
+        ``n`` full-chunk tokens. On SHM, blocks are copied into the server's
+        slots in one pass. Same result and guarantees as :meth:`store`.
+        """
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        deadline = self._deadline(timeout)
+        C = self._chunk_size
+        n = len(toks) // C * C
+        bids = check_paged(kv_caches, block_ids, self.layout, n)
+        self._check_open()
+        layout = self.layout
+
+        def to_chunks(chunks: list[tuple[int, int]], region: kcopy.RegionArg) -> None:
+            kcopy.paged_to_chunks(kv_caches, bids, chunks, num_tokens=n, chunk_tokens=C,
+                                  dtype=layout.dtype, region=region)
+
+        def to_dense() -> torch.Tensor:
+            dense = kcopy.alloc_output(
+                (layout.planes, layout.num_layers, n, layout.hidden_dim), layout.dtype)
+            kcopy.paged_to_dense(dense, kv_caches, bids)
+            return dense
+
+        return await self._store(toks, salt, to_chunks, to_dense, deadline)
+
+    async def _store(
+        self,
+        toks: list[int],
+        salt: str,
+        to_chunks: Callable[[list[tuple[int, int]], kcopy.RegionArg], None],
+        to_dense: Callable[[], torch.Tensor],
+        deadline: float,
+    ) -> StoreResult:
+        C = self._chunk_size
         total = len(toks) // C
         ignored = len(toks) - total * C
         if total == 0:
@@ -711,14 +815,15 @@ class AsyncKVContext:
         async def op(state: _OpState) -> StoreResult:
             await self._ensure_registered(deadline)
             if self._mode == "shm":
-                written = await self._store_shm(toks, total, salt, kv, deadline)
+                written = await self._store_shm(toks, total, salt, to_chunks, deadline)
             else:
-                written = await self._store_pickle(toks, total, salt, kv, deadline)
+                written = await self._store_pickle(toks, total, salt, to_dense, deadline)
             return StoreResult(total, written, C, ignored)
 
         return await self._run(op)
 
-    async def _store_shm(self, toks: list[int], total: int, salt: str, kv: torch.Tensor,
+    async def _store_shm(self, toks: list[int], total: int, salt: str,
+                         to_chunks: Callable[[list[tuple[int, int]], kcopy.RegionArg], None],
                          deadline: float) -> int:
         C = self._chunk_size
         n = total * C
@@ -728,7 +833,6 @@ class AsyncKVContext:
         key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
         iid = pack(self.instance_id)
         pool, spec = self._pool, self._slot_spec
-        src = kv[:, :, :n]
 
         async def fill_and_commit(raw: object, commit_deadline: float) -> int:
             prep = parse_prepare_store(raw, spec, total)
@@ -745,8 +849,7 @@ class AsyncKVContext:
             nbytes = len(chunks) * C * self.layout.token_bytes()
             # Every reserved slot is filled completely before commit (§6.6); the
             # sequence runs on even if the caller is cancelled.
-            await kcopy.run_copy(kcopy.dense_to_chunks, src, chunks, chunk_tokens=C,
-                                 region=pool.region, nbytes=nbytes)
+            await kcopy.run_copy(to_chunks, chunks, pool.region, nbytes=nbytes)
             ok = as_bool(
                 await self._rpc(conn, "commit_store", [key, iid, pack(b"")], commit_deadline),
                 "commit_store",
@@ -772,8 +875,8 @@ class AsyncKVContext:
         finally:
             await self._cleanup_rpc(conn, "end_session", [pack(rid)])
 
-    async def _store_pickle(self, toks: list[int], total: int, salt: str, kv: torch.Tensor,
-                            deadline: float) -> int:
+    async def _store_pickle(self, toks: list[int], total: int, salt: str,
+                            to_dense: Callable[[], torch.Tensor], deadline: float) -> int:
         C = self._chunk_size
         n = total * C
         conn = self._transport.pick()
@@ -785,10 +888,15 @@ class AsyncKVContext:
             return 0
         rid = _new_request_id("store")
         key = enc.encode(prefix_len=n, start=before * C, end=n, request_id=rid, worker_id=0)
+        nbytes = (total - before) * C * self.layout.token_bytes()
+
+        def encode() -> bytes:
+            kv = to_dense()
+            return dumps_tensors(
+                [kv[:, :, i * C:(i + 1) * C].contiguous() for i in range(before, total)])
+
         try:
-            chunks = [kv[:, :, i * C:(i + 1) * C].contiguous() for i in range(before, total)]
-            nbytes = len(chunks) * C * self.layout.token_bytes()
-            data = await _maybe_thread(dumps_tensors, chunks, nbytes)
+            data = await _maybe_thread(encode, nbytes=nbytes)
             ok = as_bool(
                 await self._rpc(conn, "commit_store", [key, pack(self.instance_id), pack(data)],
                                 deadline),
@@ -880,10 +988,11 @@ def _has_slots(raw: object) -> bool:
     return isinstance(context, dict) and "slots" in context
 
 
-async def _maybe_thread(fn: Callable[..., T], arg: Any, nbytes: int) -> T:
+async def _maybe_thread(fn: Callable[..., T], *args: Any, nbytes: int) -> T:
+    """Run CPU-heavy work (pickling, unpickling) off the event loop when it is big."""
     if nbytes >= kcopy.INLINE_LIMIT:
-        return await asyncio.to_thread(fn, arg)
-    return fn(arg)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+    return fn(*args)
 
 
 class _Connecting:

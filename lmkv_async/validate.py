@@ -117,3 +117,61 @@ def check_out(out: object, layout: KVLayout, num_tokens: int) -> torch.Tensor:
             f"out has room for {out.shape[2]} tokens; the full-chunk prefix has {num_tokens}"
         )
     return check_kv(out[:, :, :num_tokens], layout, num_tokens, what="out")
+
+
+def check_paged(
+    caches: object, block_ids: object, layout: KVLayout, num_tokens: int
+) -> list[int]:
+    """Per-layer HND caches ``[NB, P, NH, BS, HS]`` (``[NB, BS, D]`` for MLA) and a block table.
+
+    Returns the block ids as a list; at least ``ceil(num_tokens / BS)`` are
+    needed and each must be in ``[0, NB)``.
+    """
+    if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
+        raise InvalidInputError("kv_caches must be a sequence of per-layer tensors")
+    if len(caches) != layout.num_layers:
+        raise LayoutMismatchError(
+            f"kv_caches has {len(caches)} layers; the layout has {layout.num_layers}"
+        )
+    num_blocks: int | None = None
+    for i, cache in enumerate(caches):
+        if not isinstance(cache, torch.Tensor):
+            raise InvalidInputError(f"kv_caches[{i}] is not a tensor")
+        if layout.use_mla:
+            tail: tuple[int, ...] = (layout.block_size, layout.hidden_dim)
+        else:
+            tail = (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
+        if cache.dim() != len(tail) + 1 or tuple(cache.shape[1:]) != tail:
+            raise LayoutMismatchError(
+                f"kv_caches[{i}] shape {tuple(cache.shape)} != [NB, *{list(tail)}]"
+            )
+        if cache.dtype != layout.dtype or cache.device.type != "cpu":
+            raise LayoutMismatchError(
+                f"kv_caches[{i}] must be a CPU {layout.dtype} tensor, got {cache.device} "
+                f"{cache.dtype}"
+            )
+        if cache.stride(-1) != 1:
+            raise LayoutMismatchError(f"kv_caches[{i}] must have a contiguous last dimension")
+        if num_blocks is None:
+            num_blocks = cache.shape[0]
+        elif cache.shape[0] != num_blocks:
+            raise LayoutMismatchError("all kv_caches layers must have the same number of blocks")
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.dtype not in _INT_DTYPES:
+            raise InvalidInputError("block_ids must be a 1-D integer tensor or a list of ints")
+        ids: list[int] = block_ids.tolist()
+    elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
+        try:
+            ids = [_as_int(b) for b in block_ids]
+        except TypeError as exc:
+            raise InvalidInputError(f"block_ids must be ints: {exc}") from None
+    else:
+        raise InvalidInputError("block_ids must be a 1-D integer tensor or a list of ints")
+    need = -(-num_tokens // layout.block_size)
+    if len(ids) < need:
+        raise InvalidInputError(f"{len(ids)} block ids for {num_tokens} tokens; need {need}")
+    assert num_blocks is not None
+    bad = [b for b in ids[:need] if not 0 <= b < num_blocks]
+    if bad:
+        raise InvalidInputError(f"block ids {bad[:5]} out of range [0, {num_blocks})")
+    return ids
