@@ -119,6 +119,20 @@ class StoreResult:
 _Sink = Callable[[int, list[tuple[int, int]], kcopy.RegionArg], None]
 
 
+@dataclass
+class _Seq:
+    """One operation's RPC sequence: its socket, session and how far it got."""
+
+    conn: Connection
+    generation: int  # of conn when the sequence began; release steps need the same peer
+    enc: KeyEncoder
+    rid: str
+    n: int  # full-chunk tokens of the input
+    lookup_sent: bool = False
+    hit: int | None = None
+    retrieve_key: bytes | None = None
+
+
 class _OpState:
     """Shared between a caller and its operation task."""
 
@@ -436,13 +450,38 @@ class AsyncKVContext:
             raise
         return reply.result()
 
-    async def _cleanup_rpc(self, conn: Connection, op: str, payloads: Sequence[bytes]) -> object:
-        """A release step: own deadline, failures logged (the caller's error wins)."""
+    async def _cleanup_rpc(self, seq: _Seq, op: str, payloads: Sequence[bytes]) -> object:
+        """A release step: own deadline, failures logged (the caller's error wins).
+
+        Skipped once the socket has lost or replaced its peer: on loopback that
+        means the server process died, taking its locks and sessions with it, and
+        a stale release sent to a restarted server could strip another client's
+        locks (0.5.2's free_lookup_locks is anonymous, compat.md §6.3).
+        """
+        conn = seq.conn
+        if conn.generation != seq.generation or not conn.connected:
+            log.debug("skipping %s: the server connection was lost", op)
+            return None
         try:
             return await self._rpc(conn, op, payloads, time.monotonic() + CLEANUP_TIMEOUT)
         except KVCacheError as exc:
             log.warning("release step %s failed: %s", op, exc)
             return None
+
+    def _release_later(self, steps: Coroutine[Any, Any, None]) -> None:
+        """Run release steps in the background: the caller has its answer already.
+
+        They are ordered after everything the operation did on the same socket,
+        and aclose() waits for them before unregistering.
+        """
+        self._track(asyncio.create_task(steps))
+
+    async def _cleanup_rpc_none(self, seq: _Seq, op: str, payloads: Sequence[bytes]) -> None:
+        await self._cleanup_rpc(seq, op, payloads)
+
+    def _seq(self, kind: str, toks: Sequence[int], salt: str, n: int) -> _Seq:
+        conn = self._transport.pick()
+        return _Seq(conn, conn.generation, self._key(toks, salt), _new_request_id(kind), n)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -499,49 +538,43 @@ class AsyncKVContext:
             wait = min(wait * 2, 0.5)
         return count
 
-    async def _lookup_locked(
-        self, conn: Connection, enc: KeyEncoder, n_tokens: int, rid: str, deadline: float,
-        progress: dict[str, Any],
-    ) -> int:
+    async def _lookup_locked(self, seq: _Seq, deadline: float) -> int:
         """Send lookup, await its ack, consume the result. Returns hit chunks.
 
-        ``progress`` records how far we got, for the release steps.
+        ``seq`` records how far we got, for the release steps.
         """
         C = self._chunk_size
-        key = enc.encode(prefix_len=n_tokens, start=0, end=n_tokens, request_id=rid,
-                         worker_id=None)
-        progress["lookup_sent"] = True
-        await self._rpc(conn, "lookup", [key, pack(self.layout.world_size)], deadline)
-        hit = await self._prefetch_result(conn, rid, deadline)
-        if hit > n_tokens // C:
-            progress["hit"] = n_tokens // C
-            raise ProtocolError(f"server reports {hit} hit chunks for {n_tokens // C} looked up",
+        key = seq.enc.encode(prefix_len=seq.n, start=0, end=seq.n, request_id=seq.rid,
+                             worker_id=None)
+        seq.lookup_sent = True
+        await self._rpc(seq.conn, "lookup", [key, pack(self.layout.world_size)], deadline)
+        hit = await self._prefetch_result(seq.conn, seq.rid, deadline)
+        if hit > seq.n // C:
+            seq.hit = seq.n // C
+            raise ProtocolError(f"server reports {hit} hit chunks for {seq.n // C} looked up",
                                 op="query_prefetch_status", server=self.url)
-        progress["hit"] = hit
+        seq.hit = hit
         return hit
 
-    async def _release_lookup(self, conn: Connection, enc: KeyEncoder, n_tokens: int, rid: str,
-                              progress: dict[str, Any], *, free_hit: bool) -> None:
+    async def _release_lookup(self, seq: _Seq, *, free_hit: bool) -> None:
         """Release steps of a lookup: consume, free the hit's locks, end the session."""
-        if not progress.get("lookup_sent"):
+        if not seq.lookup_sent:
             return
-        hit = progress.get("hit")
+        hit = seq.hit
         if hit is None:
             # The lookup may still run on the server; consume its result so we know
             # what it locked (query returns 0 for an unknown job).
-            raw = await self._cleanup_rpc(
-                conn, "wait_prefetch_status", [pack(rid), pack(1.0)]
-            )
+            raw = await self._cleanup_rpc(seq, "wait_prefetch_status", [pack(seq.rid), pack(1.0)])
             try:
                 hit = as_optional_count(raw, "wait_prefetch_status") or 0
             except ProtocolError:
                 hit = 0
             free_hit = True
         if free_hit and hit:
-            key = enc.encode(prefix_len=n_tokens, start=0, end=hit * self._chunk_size,
-                             request_id=rid, worker_id=None)
-            await self._cleanup_rpc(conn, "free_lookup_locks", [key, pack(self.layout.world_size)])
-        await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+            key = seq.enc.encode(prefix_len=seq.n, start=0, end=hit * self._chunk_size,
+                                 request_id=seq.rid, worker_id=None)
+            await self._cleanup_rpc(seq, "free_lookup_locks", [key, pack(self.layout.world_size)])
+        await self._cleanup_rpc(seq, "end_session", [pack(seq.rid)])
 
     async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
                      timeout: float | None = None) -> int:
@@ -560,15 +593,11 @@ class AsyncKVContext:
 
         async def op(state: _OpState) -> int:
             await self._ensure_registered(deadline)
-            conn = self._transport.pick()
-            enc = self._key(toks, salt)
-            rid = _new_request_id("lookup")
-            progress: dict[str, Any] = {}
+            seq = self._seq("lookup", toks, salt, n)
             try:
-                hit = await self._lookup_locked(conn, enc, n, rid, deadline, progress)
-                return hit * self._chunk_size
+                return await self._lookup_locked(seq, deadline) * self._chunk_size
             finally:
-                await self._release_lookup(conn, enc, n, rid, progress, free_hit=True)
+                self._release_later(self._release_lookup(seq, free_hit=True))
 
         return await self._run(op)
 
@@ -658,22 +687,19 @@ class AsyncKVContext:
         """lookup -> prepare_retrieve -> sink(chunks) -> commit_retrieve; returns hit chunks."""
         await self._ensure_registered(deadline)
         C = self._chunk_size
-        conn = self._transport.pick()
-        enc = self._key(toks, salt)
-        rid = _new_request_id("retrieve")
-        progress: dict[str, Any] = {}
+        seq = self._seq("retrieve", toks, salt, n)
         # "none": prepare not sent; "sent": sent, no reply; "shm"/"pickle": reply in hand
         prepared = "none"
         spec, pool = self._slot_spec, self._pool
         try:
-            hit = await self._lookup_locked(conn, enc, n, rid, deadline, progress)
+            hit = await self._lookup_locked(seq, deadline)
             if hit == 0 or state.abandoned:
                 return 0
-            key = enc.encode(prefix_len=hit * C, start=0, end=hit * C, request_id=rid,
-                             worker_id=0)
-            progress["retrieve_key"] = key
+            key = seq.enc.encode(prefix_len=hit * C, start=0, end=hit * C, request_id=seq.rid,
+                                 worker_id=0)
+            seq.retrieve_key = key
             prepared = "sent"
-            raw = await self._rpc(conn, "prepare_retrieve", [key, pack(self.instance_id)],
+            raw = await self._rpc(seq.conn, "prepare_retrieve", [key, pack(self.instance_id)],
                                   deadline)
             if spec is None and _has_slots(raw):
                 # An SHM server serves retrieves only through its pool, which this
@@ -704,19 +730,17 @@ class AsyncKVContext:
                 await kcopy.run_copy(sink, hit, chunks, regions, nbytes=nbytes)
             return hit
         finally:
-            await self._release_retrieve(conn, enc, n, rid, progress, prepared)
+            self._release_later(self._release_retrieve(seq, prepared))
 
-    async def _release_retrieve(self, conn: Connection, enc: KeyEncoder, n: int, rid: str,
-                                progress: dict[str, Any], prepared: str) -> None:
-        key = progress.get("retrieve_key")
-        if prepared in ("shm", "sent") and key is not None:
+    async def _release_retrieve(self, seq: _Seq, prepared: str) -> None:
+        if prepared in ("shm", "sent") and seq.retrieve_key is not None:
             # commit_retrieve releases the pending read (SHM). After a lost
             # prepare reply it is sent on the same socket, so the server's
             # per-identity FIFO runs it after the prepare; a second commit is a no-op.
-            await self._cleanup_rpc(conn, "commit_retrieve", [key, pack(self.instance_id)])
+            await self._cleanup_rpc(seq, "commit_retrieve",
+                                    [seq.retrieve_key, pack(self.instance_id)])
         # pickle prepare released its locks itself; "none"/"failed" still hold the lookup's.
-        free = prepared in ("none", "failed")
-        await self._release_lookup(conn, enc, n, rid, progress, free_hit=free)
+        await self._release_lookup(seq, free_hit=prepared in ("none", "failed"))
 
     def _check_chunk_tensors(self, tensors: Sequence[torch.Tensor], count: int) -> None:
         shape = self.layout.chunk_shape(self._chunk_size)
@@ -827,10 +851,9 @@ class AsyncKVContext:
                          deadline: float) -> int:
         C = self._chunk_size
         n = total * C
-        conn = self._transport.pick()
-        enc = self._key(toks, salt)
-        rid = _new_request_id("store")
-        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+        seq = self._seq("store", toks, salt, n)
+        conn, rid = seq.conn, seq.rid
+        key = seq.enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
         iid = pack(self.instance_id)
         pool, spec = self._pool, self._slot_spec
 
@@ -864,7 +887,7 @@ class AsyncKVContext:
             except KVCacheError as exc:
                 log.warning("completing a late prepare_store failed: %s", exc)
             finally:
-                await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+                await self._cleanup_rpc(seq, "end_session", [pack(rid)])
 
         def on_late(reply: Reply) -> None:
             self._track(asyncio.create_task(late_store(reply)))
@@ -873,21 +896,20 @@ class AsyncKVContext:
             raw = await self._rpc(conn, "prepare_store", [key, iid], deadline, on_late=on_late)
             return await fill_and_commit(raw, deadline)
         finally:
-            await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+            self._release_later(self._cleanup_rpc_none(seq, "end_session", [pack(rid)]))
 
     async def _store_pickle(self, toks: list[int], total: int, salt: str,
                             to_dense: Callable[[], torch.Tensor], deadline: float) -> int:
         C = self._chunk_size
         n = total * C
-        conn = self._transport.pick()
-        enc = self._key(toks, salt)
         # Skip the cached prefix: the pickle commit cannot report what it wrote, and
         # not pickling cached chunks saves most of the cost of a re-store.
-        before = await self._cached_prefix(conn, enc, n, deadline)
+        before = await self._cached_prefix(toks, salt, n, deadline)
         if before >= total:
             return 0
-        rid = _new_request_id("store")
-        key = enc.encode(prefix_len=n, start=before * C, end=n, request_id=rid, worker_id=0)
+        seq = self._seq("store", toks, salt, n)
+        key = seq.enc.encode(prefix_len=n, start=before * C, end=n, request_id=seq.rid,
+                             worker_id=0)
         nbytes = (total - before) * C * self.layout.token_bytes()
 
         def encode() -> bytes:
@@ -898,26 +920,25 @@ class AsyncKVContext:
         try:
             data = await _maybe_thread(encode, nbytes=nbytes)
             ok = as_bool(
-                await self._rpc(conn, "commit_store", [key, pack(self.instance_id), pack(data)],
-                                deadline),
+                await self._rpc(seq.conn, "commit_store",
+                                [key, pack(self.instance_id), pack(data)], deadline),
                 "commit_store",
             )
         finally:
-            await self._cleanup_rpc(conn, "end_session", [pack(rid)])
+            self._release_later(self._cleanup_rpc_none(seq, "end_session", [pack(seq.rid)]))
         if ok:
             return total - before
         # Some chunks hit out-of-memory: count what is there now.
-        after = await self._cached_prefix(conn, enc, n, deadline)
+        after = await self._cached_prefix(toks, salt, n, deadline)
         return max(0, after - before)
 
-    async def _cached_prefix(self, conn: Connection, enc: KeyEncoder, n: int,
+    async def _cached_prefix(self, toks: Sequence[int], salt: str, n: int,
                              deadline: float) -> int:
-        rid = _new_request_id("probe")
-        progress: dict[str, Any] = {}
+        seq = self._seq("probe", toks, salt, n)
         try:
-            return await self._lookup_locked(conn, enc, n, rid, deadline, progress)
+            return await self._lookup_locked(seq, deadline)
         finally:
-            await self._release_lookup(conn, enc, n, rid, progress, free_hit=True)
+            self._release_later(self._release_lookup(seq, free_hit=True))
 
     # ------------------------------------------------------------------ fan-out
     async def lookup_many(
