@@ -61,7 +61,7 @@ _REPO = _HERE.parent
 def _installed_check() -> str | None:
     """Why the imported lmkv_async is not an installed build, or ``None`` if it is."""
     pkg_dir = Path(lmkv_async.__file__).resolve().parent
-    if pkg_dir.is_relative_to(_REPO.resolve()):
+    if pkg_dir == (_REPO / "lmkv_async").resolve():
         return f"lmkv_async was imported from the source tree ({pkg_dir}), not an installed copy"
     try:
         copy_mod = importlib.import_module("lmkv_async._copy")

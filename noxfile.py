@@ -1,0 +1,218 @@
+"""nox sessions for lmkv_async.
+
+    nox -s tests          # the test suite (not soak) against the INSTALLED package + real servers
+    nox -s soak           # pytest -m soak
+    nox -s lint           # ruff check + mypy --strict lmkv_async
+    nox -s demo           # python -m lmkv_async.demo against real servers
+    nox -s bench          # benchmarks/bench_*.py with the server envs exported
+    nox -s server-envs    # only build/verify the two lmcache server environments
+
+Real lmcache servers run from two dedicated environments, built on first use
+and reused across sessions and runs:
+
+    .nox/lmcache-server-056   torch==2.13.0 + lmcache==0.5.6
+    .nox/lmcache-server-052   torch==2.13.0 + lmcache==0.5.2
+
+(``.installed`` marks a finished build; about 1.5-2 min each from PyPI).
+lmcache is never installed into a library session. Their interpreters are
+exported as ``LMKV_LMCACHE_PYTHON_056`` / ``LMKV_LMCACHE_PYTHON_052``, which
+``lmkv_async.local_server.find_server_python`` reads.
+
+torch is always installed as ``torch==2.13.0`` first (the local CPU wheel);
+a bare ``torch`` requirement would pull a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"  # not uv: it ignores the local torch wheel
+nox.options.sessions = ["lint", "tests"]
+
+ROOT = Path(__file__).resolve().parent
+CONSTRAINTS = str(ROOT / "constraints" / "ci.txt")
+TORCH = "torch==2.13.0"
+SERVER_VERSIONS = ("0.5.6", "0.5.2")
+SERVER_ENV_ROOT = ROOT / ".nox"
+
+
+# --------------------------------------------------------------------------- server envs
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Serialise builders across concurrent nox runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def server_env_python(session: nox.Session, version: str) -> str:
+    """Build ``.nox/lmcache-server-<tag>`` if needed; return its interpreter.
+
+    The env is a plain venv made with the interpreter running nox (it must be
+    CPython 3.11 for the local torch wheel). ``.installed`` holds the spec it
+    was built with; a missing or different marker means rebuild from scratch.
+    """
+    tag = version.replace(".", "")
+    env_dir = SERVER_ENV_ROOT / f"lmcache-server-{tag}"
+    python = env_dir / "bin" / "python"
+    marker = env_dir / ".installed"
+    spec = f"lmcache=={version} {TORCH}"
+    with _file_lock(SERVER_ENV_ROOT / f"lmcache-server-{tag}.lock"):
+        if marker.exists() and python.exists() and marker.read_text().strip() in ("", spec):
+            session.log(f"lmcache {version} server env: reusing {env_dir}")
+            return str(python)
+        session.log(f"building lmcache {version} server env in {env_dir}")
+        t0 = time.monotonic()
+        if env_dir.exists():
+            shutil.rmtree(env_dir)
+        session.run(sys.executable, "-m", "venv", str(env_dir), external=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        session.run(*pip, TORCH, external=True)
+        session.run(*pip, f"lmcache=={version}", TORCH, external=True)
+        session.run(str(python), "-c", "import lmcache, torch", external=True, silent=True)
+        marker.write_text(spec + "\n")
+        session.log(f"lmcache {version} server env built in {time.monotonic() - t0:.0f}s")
+        return str(python)
+
+
+def server_envs(session: nox.Session) -> dict[str, str]:
+    """Build both server envs; return the env vars that point the library at them."""
+    env: dict[str, str] = {}
+    for version in SERVER_VERSIONS:
+        env[f"LMKV_LMCACHE_PYTHON_{version.replace('.', '')}"] = server_env_python(session, version)
+    return env
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def install_package(session: nox.Session, extra: str = "") -> None:
+    """torch (local CPU wheel) first, then the package itself, built from this tree.
+
+    ``--force-reinstall --no-deps`` rebuilds the C extension on a reused venv
+    even when the version number did not change.
+    """
+    session.install("-c", CONSTRAINTS, TORCH)
+    session.install("-c", CONSTRAINTS, f".{extra}")
+    session.install("--no-deps", "--force-reinstall", ".")
+
+
+def _pytest_args(session: nox.Session, marker: str) -> list[str]:
+    """pytest argv: paths made absolute (we run from a temp dir), default marker first."""
+    args: list[str] = []
+    has_path = False
+    for arg in session.posargs:
+        candidate = ROOT / arg.split("::", 1)[0]
+        if not arg.startswith("-") and candidate.exists():
+            args.append(str(ROOT / arg))
+            has_path = True
+        else:
+            args.append(arg)
+    return [
+        "--import-mode=importlib",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(ROOT),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "-m",
+        marker,  # a later -m in posargs overrides this one
+        *args,
+        *([] if has_path else [str(ROOT / "tests")]),
+    ]
+
+
+def run_pytest(session: nox.Session, marker: str) -> None:
+    """Run pytest against the installed package, from a directory outside the source tree.
+
+    Exit code 5 ("no tests collected") fails the session like any non-zero code.
+    """
+    install_package(session, "[test]")
+    env = server_envs(session)
+    tmp = Path(session.create_tmp())
+    logs = tmp / "server-logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    env.update(
+        {
+            "LMKV_REQUIRE_INSTALLED": "1",
+            "LMKV_SERVER_LOG_DIR": str(logs),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+    )
+    session.chdir(tmp)
+    # -P: never put the current directory on sys.path (belt and braces; we are in tmp).
+    session.run("python", "-P", "-m", "pytest", *_pytest_args(session, marker), env=env)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+@nox.session(reuse_venv=True)
+def tests(session: nox.Session) -> None:
+    """The test suite minus soak tests (pass pytest args after --)."""
+    run_pytest(session, "not soak")
+
+
+@nox.session(reuse_venv=True)
+def soak(session: nox.Session) -> None:
+    """Long-running load tests (pytest -m soak)."""
+    run_pytest(session, "soak")
+
+
+@nox.session(reuse_venv=True)
+def lint(session: nox.Session) -> None:
+    """ruff check on the repo, mypy --strict on lmkv_async."""
+    install_package(session, "[lint]")
+    session.run("ruff", "check", ".")
+    session.run("mypy", "--strict", "lmkv_async")
+
+
+@nox.session(reuse_venv=True)
+def demo(session: nox.Session) -> None:
+    """python -m lmkv_async.demo (it starts its own local servers)."""
+    install_package(session)
+    env = server_envs(session)
+    session.chdir(session.create_tmp())
+    session.run("python", "-P", "-m", "lmkv_async.demo", *session.posargs, env=env)
+
+
+@nox.session(reuse_venv=True)
+def bench(session: nox.Session) -> None:
+    """Every benchmarks/bench_*.py runner (args after -- go to each runner)."""
+    install_package(session)
+    env = server_envs(session)
+    runners = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not runners:
+        session.error("no benchmarks/bench_*.py runner found")
+    for runner in runners:
+        session.run("python", str(runner), *session.posargs, env=env)
+
+
+@nox.session(name="server-envs", python=False)
+def server_envs_session(session: nox.Session) -> None:
+    """Only build (or verify) the two lmcache server environments."""
+    for key, value in server_envs(session).items():
+        out = subprocess.run(
+            [value, "-c", "import lmcache; print(lmcache.__version__)"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"},
+        )
+        session.log(f"{key}={value} (lmcache {out.stdout.strip() or '?'})")
