@@ -45,6 +45,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Any
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -127,7 +128,8 @@ def _register(adapter: Any, kv_caches: dict[str, Any], args: argparse.Namespace)
     adapter.register_kv_caches(kv_caches, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
+    """Register, print READY, wait for EOF/SIGTERM, unregister; exits the process."""
     args = _parse_args(argv)
 
     import lmcache
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
 
     zmq_ctx = zmq.Context()
+    rc = 0
     kv_caches: dict[str, Any] = {}
     adapters: list[Any] = []
     # Keep the tensors alive: the SHM segments are unlinked when they are freed.
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             _register(adapter, kv_caches, args)
             all_caches.append(kv_caches)
             # Ping like vLLM does, so the server's reaper sees a live worker
-            # (and, after a server restart, the adapter re-registers).
+            # (0.5.6's heartbeat also re-registers after a server restart).
             start_hb = getattr(adapter, "_ensure_heartbeat_started", None)
             if callable(start_hb):
                 start_hb()
@@ -200,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_stdin, name="stdin-watch", daemon=True).start()
         while not stop.wait(0.5):
             pass
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
     finally:
         for adapter in adapters:
             # Do not wait the full RPC timeout if the server is already gone.
@@ -224,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         # lmcache's shared ZMQ polling loop keeps sockets open, so a clean
         # interpreter exit (zmq Context.term) can block forever: leave now.
-        os._exit(0)
+        os._exit(rc)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
