@@ -47,7 +47,7 @@ from .http import HttpClient
 from .layout import KVLayout, discover_layout
 from .pickle_codec import dumps_tensors, loads_tensors
 from .shm import PoolMapping
-from .transport import Connection, LateHandler, Transport
+from .transport import RECONNECT_GRACE, Connection, LateHandler, Transport
 from .validate import (
     Tokens,
     check_kv,
@@ -359,7 +359,15 @@ class AsyncKVContext:
         )
 
     async def _ensure_registered(self, deadline: float) -> None:
-        """Re-register after a reconnect: a restarted server has forgotten us."""
+        """Re-register after a reconnect: a restarted server has forgotten us.
+
+        Waits (within the deadline) for a socket that is down to come back first,
+        so an operation never runs against a restarted server before it knows us.
+        """
+        if not all(c.connected for c in self._transport.connections):
+            remaining = min(deadline - time.monotonic(), RECONNECT_GRACE)
+            if remaining <= 0 or not await self._transport.wait_connected(remaining):
+                raise ServerUnavailableError("the server is unreachable", server=self.url)
         if self._transport.generation == self._registered_generation:
             return
         async with self._register_lock:

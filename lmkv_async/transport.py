@@ -37,6 +37,11 @@ log = logging.getLogger("lmkv_async.transport")
 
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
+#: How long a request waits for a lost connection to come back before failing
+#: with ServerUnavailableError: a ZMQ reconnect attempt happens at least every
+#: RECONNECT_IVL_MAX (1 s), so a live server is back within this.
+RECONNECT_GRACE = 2.0
+
 
 LateHandler = Callable[[Reply], None]
 
@@ -177,7 +182,9 @@ class Connection:
         if self._closed:
             raise ClosedError("transport is closed")
         started = time.monotonic()
-        if not self._connected.is_set() and not await self.wait_connected(timeout):
+        if not self._connected.is_set() and not await self.wait_connected(
+            min(timeout, RECONNECT_GRACE)
+        ):
             raise ServerUnavailableError("not connected to the server", op=op, server=self.url)
         uid = next(self._uids)
         frames = encode_request(uid, op_id, payloads)
