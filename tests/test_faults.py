@@ -173,7 +173,7 @@ async def test_idle_context_outlives_reap_timeout(
                for v in VERSIONS]
     ctxs = [await lmkv.connect(s.url, s.http_url, "idle", layout=LAYOUT) for s in servers]
     try:
-        for ctx, srv in zip(ctxs, servers, strict=True):
+        for ctx in ctxs:
             toks = tokens_for(ctx.chunk_size)
             await ctx.store(random_kv(LAYOUT, len(toks), seed=80), toks)
         await asyncio.sleep(40)  # idle for longer than the reap timeout
