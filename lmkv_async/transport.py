@@ -63,6 +63,10 @@ class Connection:
         self.url = url
         self.index = index
         self._sock = ctx.socket(zmq.DEALER)
+        # A plain (sync) view of the same socket: non-blocking sends and receives
+        # through it skip the per-call future of zmq.asyncio, which dominates the
+        # cost of small requests; the asyncio socket is used only to wait.
+        self._sync = zmq.Socket.shadow(self._sock.underlying)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -124,10 +128,19 @@ class Connection:
     async def _read_loop(self) -> None:
         try:
             while True:
-                frames = await self._sock.recv_multipart()
-                self._dispatch(frames)
+                await self._sock.poll(flags=zmq.POLLIN)
+                self._drain()
         except (asyncio.CancelledError, zmq.ZMQError):
             return
+
+    def _drain(self) -> None:
+        """Dispatch every reply that has arrived, without waiting."""
+        while True:
+            try:
+                frames = self._sync.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(frames)
 
     def _dispatch(self, frames: Sequence[bytes]) -> None:
         if not frames:
@@ -196,7 +209,15 @@ class Connection:
         timer = loop.call_later(remaining, _expire, future)
         keep_for_late = False
         try:
-            await self._sock.send_multipart(frames, copy=False)
+            try:
+                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # high-water mark reached: wait for room
+                await self._sock.send_multipart(frames, copy=False)
+            else:
+                # A send through the sync view can consume the socket's edge-triggered
+                # readiness signal, so the reader might not wake: check for replies here.
+                if self._sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._drain()
             return await future
         except _Expired:
             keep_for_late = on_late is not None and late_window > 0
