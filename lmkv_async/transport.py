@@ -66,7 +66,7 @@ class Connection:
         # A plain (sync) view of the same socket: non-blocking sends and receives
         # through it skip the per-call future of zmq.asyncio, which dominates the
         # cost of small requests; the asyncio socket is used only to wait.
-        self._sync = zmq.Socket.shadow(self._sock.underlying)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -128,7 +128,7 @@ class Connection:
     async def _read_loop(self) -> None:
         try:
             while True:
-                await self._sock.poll(flags=zmq.POLLIN)
+                await self._sock.poll()  # POLLIN
                 self._drain()
         except (asyncio.CancelledError, zmq.ZMQError):
             return
@@ -216,7 +216,7 @@ class Connection:
             else:
                 # A send through the sync view can consume the socket's edge-triggered
                 # readiness signal, so the reader might not wake: check for replies here.
-                if self._sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if int(self._sync.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     self._drain()
             return await future
         except _Expired:
