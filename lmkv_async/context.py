@@ -31,6 +31,7 @@ import anyio.to_thread
 import torch
 
 from . import copy as kcopy
+from .buffers import output_pool
 from .errors import (
     ClosedError,
     InvalidInputError,
@@ -624,9 +625,10 @@ class AsyncKVContext:
         multiple of :attr:`chunk_size`). With ``out`` (a ``[P, L, >=T, D]`` CPU
         tensor of the layout's dtype, ``T`` the full-chunk length of ``tokens``)
         the data is written into it and the view ``out[:, :, :n]`` is returned.
-        Without it the result is allocated with :func:`lmkv_async.copy.alloc_output`
-        (2 MiB-aligned anonymous memory advised for transparent huge pages and
-        pre-faulted, so large results do not pay the 4 KiB page-fault cliff).
+        Without it the result comes from :data:`lmkv_async.buffers.output_pool`:
+        anonymous memory advised for transparent huge pages and pre-faulted, and
+        reused once an earlier result is freed, so steady-state retrieves do not
+        pay the 4 KiB page-fault cliff (``LMKV_OUTPUT_POOL_BYTES`` caps the pool).
         If the call is cancelled, ``out`` may have been partly written.
         """
         toks = check_tokens(tokens)
@@ -643,7 +645,7 @@ class AsyncKVContext:
         result: list[torch.Tensor] = []
 
         def sink(hit: int, chunks: list[tuple[int, int]], region: kcopy.RegionArg) -> None:
-            dst = out if out is not None else kcopy.alloc_output(
+            dst = out if out is not None else output_pool.empty(
                 (layout.planes, layout.num_layers, hit * C, layout.hidden_dim), layout.dtype)
             view = dst[:, :, : hit * C]
             kcopy.chunks_to_dense(view, chunks, chunk_tokens=C, region=region)
@@ -823,7 +825,7 @@ class AsyncKVContext:
                                   dtype=layout.dtype, region=region)
 
         def to_dense() -> torch.Tensor:
-            dense = kcopy.alloc_output(
+            dense = output_pool.empty(
                 (layout.planes, layout.num_layers, n, layout.hidden_dim), layout.dtype)
             kcopy.paged_to_dense(dense, kv_caches, bids)
             return dense
