@@ -1,0 +1,202 @@
+"""Copy-kernel benchmark: every lmkv_async.copy path, C kernel vs torch fallback.
+
+Geometry: L=32 layers, NH=8 KV heads, HS=128, bf16, block size 16, chunk 256
+tokens, T in {256, 1024, 4096, 16384}.  For each T and path it reports GB/s
+(payload bytes / median time over >= 7 reps, destinations preallocated and
+pre-touched), the ratio to a same-run ``stream_copy`` of the same byte count
+(the 2-thread streaming-store ceiling) and the speed-up over the torch backend.
+Results go to ``benchmarks/results/kernel.json``.
+
+Run from the repo root after ``python setup.py build_ext --inplace``::
+
+    python benchmarks/bench_kernel.py            # full run
+    python benchmarks/bench_kernel.py --quick    # T in {256, 1024}, 5 reps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from lmkv_async import copy as kc  # noqa: E402
+
+L, NH, HS, BS, C = 32, 8, 128, 16, 256
+DTYPE = torch.bfloat16
+D = NH * HS
+PATHS = ["gather", "scatter", "pack", "unpack", "paged->chunks", "chunks->paged"]
+
+
+def _time(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up: first-touch, thread-pool start
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_t(T: int, reps: int, rng: torch.Generator) -> dict[str, Any]:
+    """Measure every path for one token count; returns {path: {backend: GB/s}}."""
+    nbytes = 2 * L * T * D * 2
+    nblk = -(-T // BS)
+    nchunks = -(-T // C)
+    chunk_bytes = 2 * L * C * D * 2
+    src = torch.randint(-(2**15), 2**15, (2, L, T, D), dtype=torch.int16, generator=rng)
+    src = src.view(DTYPE)
+    dst = torch.zeros_like(src)  # zero-filled: pre-touched
+    # paged caches: NB = blocks needed, random permutation as the block table
+    caches = [torch.zeros((nblk, 2, NH, BS, HS), dtype=DTYPE) for _ in range(L)]
+    bt = torch.randperm(nblk, generator=rng)
+    # a pool with the chunks in shuffled slots (page-aligned, as SHM slots are)
+    pool = torch.zeros(nchunks * chunk_bytes, dtype=torch.uint8)
+    region = kc.Region(pool.data_ptr(), pool.numel())
+    slots = torch.randperm(nchunks, generator=rng).tolist()
+    chunks = [(k, pool.data_ptr() + s * chunk_bytes) for k, s in enumerate(slots)]
+    kc.dense_to_chunks(src, chunks, chunk_tokens=C, region=region)
+    kc.dense_to_paged(src, caches, bt)
+
+    flat_src, flat_dst = src.view(-1), dst.view(-1)
+    out: dict[str, Any] = {"T": T, "bytes": nbytes}
+    out["stream_copy"] = nbytes / _time(lambda: kc.stream_copy(flat_dst, flat_src), reps) / 1e9
+    for backend in ("c", "torch"):
+        if backend == "c" and not kc.kernel_available():
+            continue
+        ops: dict[str, Callable[[], None]] = {
+            "gather": lambda b=backend: kc.chunks_to_dense(
+                dst, chunks, chunk_tokens=C, region=region, backend=b
+            ),
+            "scatter": lambda b=backend: kc.dense_to_chunks(
+                src, chunks, chunk_tokens=C, region=region, backend=b
+            ),
+            "pack": lambda b=backend: kc.paged_to_dense(dst, caches, bt, backend=b),
+            "unpack": lambda b=backend: kc.dense_to_paged(src, caches, bt, backend=b),
+            "paged->chunks": lambda b=backend: kc.paged_to_chunks(
+                caches,
+                bt,
+                chunks,
+                num_tokens=T,
+                chunk_tokens=C,
+                dtype=DTYPE,
+                region=region,
+                backend=b,
+            ),
+            "chunks->paged": lambda b=backend: kc.chunks_to_paged(
+                chunks,
+                caches,
+                bt,
+                num_tokens=T,
+                chunk_tokens=C,
+                dtype=DTYPE,
+                region=region,
+                backend=b,
+            ),
+        }
+        for name, fn in ops.items():
+            out.setdefault(name, {})[backend] = nbytes / _time(fn, reps) / 1e9
+    # the paths above must still agree with the source (cheap sanity check)
+    kc.paged_to_dense(dst, caches, bt)
+    if not torch.equal(dst.view(torch.int16), src.view(torch.int16)):
+        raise SystemExit("benchmark sanity check failed: pack != source")
+    return out
+
+
+def alloc_cliff(T: int, reps: int) -> dict[str, float]:
+    """GB/s of a gather into fresh memory: torch.empty vs alloc_output (incl. allocation)."""
+    shape = (2, L, T, D)
+    nbytes = 2 * L * T * D * 2
+    src = torch.ones(shape, dtype=DTYPE)
+    res = {}
+    for name, alloc in (
+        ("torch.empty", lambda: torch.empty(shape, dtype=DTYPE)),
+        ("alloc_output", lambda: kc.alloc_output(shape, DTYPE)),
+        ("alloc_output(populate=False)", lambda: kc.alloc_output(shape, DTYPE, populate=False)),
+    ):
+
+        def run(alloc: Callable[[], torch.Tensor] = alloc) -> None:
+            out = alloc()
+            kc.stream_copy(out, src)
+            del out
+
+        res[name] = nbytes / _time(run, reps) / 1e9
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="T in {256, 1024}, 5 reps")
+    ap.add_argument("--reps", type=int, default=None, help="reps per measurement (default 7)")
+    ap.add_argument("--tokens", type=int, nargs="*", help="token counts to run")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernel.json"))
+    args = ap.parse_args()
+    reps = args.reps or (5 if args.quick else 7)
+    tokens = args.tokens or ([256, 1024] if args.quick else [256, 1024, 4096, 16384])
+    rng = torch.Generator().manual_seed(0)
+    print(
+        f"lmkv_async copy kernel: L={L} NH={NH} HS={HS} bf16 BS={BS} C={C}; "
+        f"C kernel {'built' if kc.kernel_available() else 'MISSING'}, "
+        f"{kc.num_threads()} kernel threads, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); median of {reps}"
+    )
+    results = []
+    hdr = (
+        f"{'T':>6} {'MiB':>6} {'path':<14} {'c GB/s':>8} {'torch':>8} "
+        f"{'c/stream':>9} {'c/torch':>8}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for T in tokens:
+        r = bench_t(T, reps, rng)
+        results.append(r)
+        ref = r["stream_copy"]
+        mib = r["bytes"] / 2**20
+        print(f"{T:>6} {mib:>6.0f} {'stream_copy':<14} {ref:>8.2f} {'':>8} {'1.00':>9}")
+        for name in PATHS:
+            c, t = r[name].get("c"), r[name]["torch"]
+            cs = f"{c:>8.2f}" if c else f"{'-':>8}"
+            ratio = f"{c / ref:>9.2f}" if c else f"{'-':>9}"
+            speed = f"{c / t:>8.2f}" if c else f"{'-':>8}"
+            print(f"{T:>6} {mib:>6.0f} {name:<14} {cs} {t:>8.2f} {ratio} {speed}")
+        sys.stdout.flush()
+    cliff_t = 1024 if args.quick else 4096
+    cliff = alloc_cliff(cliff_t, reps)
+    print(f"\nallocate + stream_copy into fresh memory, T={cliff_t}:")
+    for name, gbs in cliff.items():
+        print(f"  {name:<30} {gbs:6.2f} GB/s")
+    doc = {
+        "geometry": {"L": L, "NH": NH, "HS": HS, "BS": BS, "C": C, "dtype": "bfloat16"},
+        "reps": reps,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "kernel_threads": kc.num_threads(),
+            "torch": torch.__version__,
+        },
+        "results": results,
+        "alloc_cliff": {"T": cliff_t, "GBps": cliff},
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    print(f"reproduce: cd {ROOT} && {doc['command']}")
+
+
+if __name__ == "__main__":
+    main()
