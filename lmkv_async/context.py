@@ -1010,7 +1010,12 @@ class AsyncKVContext:
 
     # ------------------------------------------------------------------ maintenance
     async def status(self) -> dict[str, Any]:
-        """The server's ``/status`` (locks, sessions, registrations)."""
+        """The server's ``/status`` (locks, sessions, registrations).
+
+        Raises:
+            ClosedError: the context is closed.
+        """
+        self._check_open()
         return await self._http.status()
 
 
@@ -1109,6 +1114,15 @@ def connect(
     if isinstance(sockets, bool) or not isinstance(sockets, int) or sockets < 1:
         raise InvalidInputError("sockets must be a positive int")
     timeout = check_timeout(timeout, 10.0)
+    if heartbeat_interval is not None and (
+        isinstance(heartbeat_interval, bool)
+        or not isinstance(heartbeat_interval, (int, float))
+        or not heartbeat_interval >= 0
+    ):
+        raise InvalidInputError(
+            f"heartbeat_interval must be None, 0 (off) or a positive number of seconds, "
+            f"got {heartbeat_interval!r}"
+        )
 
     async def factory() -> AsyncKVContext:
         ctx = AsyncKVContext(

@@ -6,6 +6,8 @@ Every error raised by the library derives from :class:`KVCacheError`, so one
     KVCacheError
     ├── InvalidInputError (also ValueError)        bad input; nothing was sent
     │   └── LayoutMismatchError                    kv/caches do not fit the layout
+    ├── LayoutNotFoundError (lmkv_async.layout)    layout=None and none registered
+    ├── LocalServerError (lmkv_async.local_server) the embedded server failed to start
     ├── ClosedError                                the context is closed
     ├── TransportUnavailableError                  transport="shm" but SHM cannot be used
     ├── CopyBoundsError                            a copy would leave its mapping/tensor

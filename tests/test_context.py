@@ -339,3 +339,15 @@ def test_restricted_unpickler_rejects_code() -> None:
     ts = [random_kv(LAYOUT, 4, seed=i) for i in range(2)]
     back = loads_tensors(dumps_tensors(ts))
     assert all(same_bits(a, b) for a, b in zip(ts, back, strict=True))
+
+
+async def test_closed_context_and_bad_heartbeat(server: LocalServer) -> None:
+    with pytest.raises(lmkv.InvalidInputError, match="heartbeat_interval"):
+        lmkv.connect(server.url, server.http_url, "m", layout=LAYOUT, heartbeat_interval=-1)
+    ctx = await lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT)
+    await ctx.aclose()
+    await ctx.aclose()  # idempotent
+    with pytest.raises(lmkv.ClosedError):
+        await ctx.status()
+    with pytest.raises(lmkv.ClosedError):
+        await ctx.store(random_kv(LAYOUT, 256), tokens_for(256))
