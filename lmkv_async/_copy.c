@@ -48,15 +48,14 @@ static PyObject *InputError;    /* InvalidInputError */
  * stays in cache for whoever reads it next. */
 static int64_t g_par_threshold = 4 << 20;
 static int64_t g_nt_threshold = 1 << 20;
-static int g_variant = 0;
 
 /* ------------------------------------------------------------------------ */
 /* copy primitives                                                          */
 /* ------------------------------------------------------------------------ */
 
 /* Streaming copy: destination-aligned 64-byte body with non-temporal stores,
- * memcpy for the misaligned head and short tail (a misaligned
- * _mm_stream_si128 faults). */
+ * memcpy for the misaligned head and the short tail (a misaligned
+ * _mm_stream_si128 faults).  Loads are unaligned-tolerant. */
 static inline void copy_nt(char *dst, const char *src, size_t n)
 {
 #if LMKV_HAVE_NT
@@ -94,40 +93,6 @@ static inline void copy_nt(char *dst, const char *src, size_t n)
         memcpy(dst, src, n);
 }
 
-/* Streaming copy for a 16-byte aligned dst and n % 64 == 0: no head/tail logic,
- * for the many short (HS-sized) runs of the paged layouts. */
-static inline void copy_nt64(char *dst, const char *src, size_t n)
-{
-#if LMKV_HAVE_NT
-    for (size_t o = 0; o < n; o += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(src + o));
-        __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(src + o + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(src + o + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(const void *)(src + o + 48));
-        _mm_stream_si128((__m128i *)(void *)(dst + o), a);
-        _mm_stream_si128((__m128i *)(void *)(dst + o + 16), b);
-        _mm_stream_si128((__m128i *)(void *)(dst + o + 32), c);
-        _mm_stream_si128((__m128i *)(void *)(dst + o + 48), d);
-    }
-#else
-    memcpy(dst, src, n);
-#endif
-}
-
-/* Cached copy of a short run into the (L1-resident) staging tile. */
-static inline void copy_small(char *dst, const char *src, size_t n)
-{
-#if LMKV_HAVE_NT
-    if ((n & 15) == 0) {
-        for (size_t o = 0; o < n; o += 16)
-            _mm_storeu_si128((__m128i *)(void *)(dst + o),
-                             _mm_loadu_si128((const __m128i *)(const void *)(src + o)));
-        return;
-    }
-#endif
-    memcpy(dst, src, n);
-}
-
 static inline void copy_run(char *dst, const char *src, size_t n, int nt)
 {
     if (nt)
@@ -140,7 +105,7 @@ static inline void store_fence(int nt)
 {
 #if LMKV_HAVE_NT
     if (nt)
-        _mm_sfence();
+        _mm_sfence(); /* streaming stores are weakly ordered: publish before signalling */
 #else
     (void)nt;
 #endif
@@ -173,30 +138,32 @@ typedef struct {
     int64_t sP, sL, sT;  /* byte strides of this segment's [P, L, n, D] */
     int64_t tok0, ntok;  /* global first token, token count */
     int64_t item0;       /* first work item of this segment */
-    int64_t nblk;        /* paged jobs: blocks covered */
+    int64_t nblk;        /* paged jobs: blocks covered (>= 1) */
 } seg_t;
 
+/* Work is a flat range of items claimed in grains by every participating
+ * thread: chunks<->dense items are (segment, kv, layer) planes, paged items
+ * are (segment, kv, layer, block), stream items are 256 KiB pieces. */
 typedef struct {
     int kind;
-    int to_dense; /* 1: chunks->dense / paged->dense-side ; 0: reverse */
-    int nt;
-    int max_workers;
+    int to_dense; /* 1: chunks->dense / paged->dense side ; 0: the reverse */
+    int nt;       /* streaming stores */
     int64_t P, L, NH, BS, hs, row;
-    char *dense;             /* KIND_CHUNKS_DENSE: dense base */
-    int64_t dsP, dsL, dsT;   /* KIND_CHUNKS_DENSE: dense strides */
-    const int64_t *lay;      /* KIND_PAGED: L x {ptr, s_nb, s_kv, s_h, s_bs} */
-    const int64_t *bt;       /* KIND_PAGED: checked private block table */
+    char *dense;            /* KIND_CHUNKS_DENSE: dense base and strides */
+    int64_t dsP, dsL, dsT;
+    const int64_t *lay;     /* KIND_PAGED: L x {ptr, s_nb, s_kv, s_h, s_bs} */
+    const int64_t *bt;      /* KIND_PAGED: checked private copy of the block table */
     seg_t *segs;
     int64_t nsegs;
-    char *sdst;              /* KIND_STREAM */
+    char *sdst;             /* KIND_STREAM */
     const char *ssrc;
     int64_t sbytes;
     int64_t nitems, grain;
     atomic_llong next;
 } job_t;
 
-#define STAGE_BYTES ((int64_t)32 << 10)
 #define STREAM_PIECE ((int64_t)1 << 18)
+#define GRAIN_BYTES ((int64_t)1 << 20)
 
 static int64_t find_seg(const job_t *j, int64_t item)
 {
@@ -229,150 +196,81 @@ static void run_chunks_dense(const job_t *j, int64_t i0, int64_t i1)
     }
 }
 
-/* Source address of paged work item i (for prefetching the next item). */
-static inline const char *paged_item_src(const job_t *j, int64_t i, int64_t *s_out)
+typedef struct {
+    char *pg;      /* paged block base for (kv, layer) */
+    char *dn;      /* dense side: first token of the block */
+    int64_t s_h, s_bs, sT, n;
+} paged_item;
+
+static inline void paged_decode(const job_t *j, int64_t i, int64_t s, paged_item *it)
 {
-    int64_t s = *s_out;
-    while (s + 1 < j->nsegs && j->segs[s + 1].item0 <= i)
-        s++;
-    *s_out = s;
     const seg_t *g = &j->segs[s];
     int64_t local = i - g->item0;
     int64_t b = local % g->nblk;
     int64_t tmp = local / g->nblk;
     int64_t l = tmp % j->L, kv = tmp / j->L;
-    if (j->to_dense) {
-        const int64_t *ld = j->lay + 5 * l;
-        int64_t blk = j->bt[(g->tok0 + b * j->BS) / j->BS];
-        return (const char *)(intptr_t)ld[0] + blk * ld[1] + kv * ld[2];
-    }
-    return g->base + kv * g->sP + l * g->sL + b * j->BS * g->sT;
+    int64_t t0 = b * j->BS;
+    const int64_t *ld = j->lay + 5 * l;
+    int64_t blk = j->bt[(g->tok0 + t0) / j->BS];
+    it->pg = (char *)(intptr_t)ld[0] + blk * ld[1] + kv * ld[2];
+    it->s_h = ld[3];
+    it->s_bs = ld[4];
+    it->dn = g->base + kv * g->sP + l * g->sL + t0 * g->sT;
+    it->sT = g->sT;
+    it->n = g->ntok - t0 < j->BS ? g->ntok - t0 : j->BS;
 }
 
-static inline void prefetch_piece(const char *p, int64_t n)
+static void run_paged(const job_t *j, int64_t i0, int64_t i1)
 {
-    if (g_variant & 8) {
-        for (int64_t o = 0; o < n; o += 64)
-            __builtin_prefetch(p + o, 0, 0);
-    } else if (g_variant & 16) {
-        for (int64_t o = 0; o < n; o += 64)
-            __builtin_prefetch(p + o, 0, 3);
-    } else {
-        for (int64_t o = 0; o < n; o += 64)
-            __builtin_prefetch(p + o, 0, 2);
-    }
-}
-
-static void run_paged(const job_t *j, int64_t i0, int64_t i1, char *stage)
-{
-    const int64_t NH = j->NH, BS = j->BS, hs = j->hs, L = j->L;
+    const int64_t NH = j->NH, hs = j->hs;
     const int nt = j->nt;
-    const int pf = (g_variant & 4) != 0;
     int64_t s = find_seg(j, i0);
-    int64_t ps = s;
+    paged_item cur, nxt = {0};
+    paged_decode(j, i0, s, &cur);
     for (int64_t i = i0; i < i1; i++) {
-        while (s + 1 < j->nsegs && j->segs[s + 1].item0 <= i)
-            s++;
-        const seg_t *g = &j->segs[s];
-        int64_t local = i - g->item0;
-        int64_t b = local % g->nblk;
-        int64_t tmp = local / g->nblk;
-        int64_t l = tmp % L, kv = tmp / L;
-        int64_t t0 = b * BS;
-        int64_t n = g->ntok - t0;
-        if (n > BS)
-            n = BS;
-        int64_t blk = j->bt[(g->tok0 + t0) / BS];
-        const int64_t *ld = j->lay + 5 * l;
-        char *pg = (char *)(intptr_t)ld[0] + blk * ld[1] + kv * ld[2];
-        const int64_t s_h = ld[3], s_bs = ld[4];
-        char *dn = g->base + kv * g->sP + l * g->sL + t0 * g->sT;
-        const int64_t sT = g->sT;
-        /* next item's source, prefetched piece by piece while this one copies:
-         * blocks are scattered, so the hardware prefetcher restarts every block */
-        const char *nx = NULL;
-        int64_t nx_sh = 0, nx_sbs = 0;
-        if (pf && i + 1 < i1 && (j->to_dense || (g_variant & 32))) {
-            nx = paged_item_src(j, i + 1, &ps);
-            if (j->to_dense) {
-                const seg_t *ng = &j->segs[ps];
-                int64_t nl = ((i + 1 - ng->item0) / ng->nblk) % L;
-                nx_sh = j->lay[5 * nl + 3];
-                nx_sbs = j->lay[5 * nl + 4];
-            } else {
-                nx_sh = hs;
-                nx_sbs = j->segs[ps].sT;
-            }
+        /* decode the next item now: a pack prefetches its (randomly placed)
+         * block while copying this one, since the hardware prefetcher stops at
+         * every block (and 4 KiB page) boundary */
+        int have_next = i + 1 < i1;
+        if (have_next) {
+            while (s + 1 < j->nsegs && j->segs[s + 1].item0 <= i + 1)
+                s++;
+            paged_decode(j, i + 1, s, &nxt);
         }
-        int64_t row = j->row;
-        int64_t tg = STAGE_BYTES / row;
-        if (stage && tg >= 1 && (g_variant & 128) && j->to_dense) {
-            for (int64_t tt = 0; tt < n; tt += tg) {
-                int64_t m = n - tt < tg ? n - tt : tg;
-                for (int64_t h = 0; h < NH; h++) {
-                    const char *sh = pg + h * s_h + tt * s_bs;
-                    char *th = stage + h * hs;
-                    for (int64_t t = 0; t < m; t++)
-                        copy_small(th + t * row, sh + t * s_bs, (size_t)hs);
-                }
-                copy_2d(dn + tt * sT, sT, stage, row, m, row, nt);
-            }
-            continue;
-        }
-        if (stage && tg >= 1 && (g_variant & 256) && !j->to_dense) {
-            for (int64_t tt = 0; tt < n; tt += tg) {
-                int64_t m = n - tt < tg ? n - tt : tg;
-                for (int64_t t = 0; t < m; t++) {
-                    const char *sr = dn + (tt + t) * sT;
-                    for (int64_t h = 0; h < NH; h++)
-                        copy_small(stage + (h * m + t) * hs, sr + h * hs, (size_t)hs);
-                }
-                for (int64_t h = 0; h < NH; h++)
-                    copy_2d(pg + h * s_h + tt * s_bs, s_bs, stage + h * m * hs, hs, m, hs, nt);
-            }
-            continue;
-        }
+        const int64_t s_h = cur.s_h, s_bs = cur.s_bs, sT = cur.sT, n = cur.n;
+        char *pg = cur.pg, *dn = cur.dn;
         if (NH == 1) {
-            /* one head: a [n, HS] strided plane on both sides */
+            /* one head: an [n, HS] strided plane on both sides */
             if (j->to_dense)
                 copy_2d(dn, sT, pg, s_bs, n, hs, nt);
             else
                 copy_2d(pg, s_bs, dn, sT, n, hs, nt);
-            continue;
-        }
-        if (j->to_dense) {
-            /* read the (random) source block sequentially: heads outer */
-            const int fast = nt && (g_variant & 64) && hs % 64 == 0 && sT % 16 == 0 &&
-                             ((uintptr_t)dn & 15) == 0;
+        } else if (j->to_dense) {
+            /* read the source block in address order (heads outer); the
+             * destination takes HS-sized streaming pieces */
+            const char *pf = have_next ? nxt.pg : NULL;
             for (int64_t h = 0; h < NH; h++) {
                 char *dh = dn + h * hs;
                 const char *sh = pg + h * s_h;
                 for (int64_t t = 0; t < n; t++) {
-                    if (nx)
-                        prefetch_piece(nx + h * nx_sh + t * nx_sbs, hs);
-                    if (fast)
-                        copy_nt64(dh + t * sT, sh + t * s_bs, (size_t)hs);
-                    else
-                        copy_run(dh + t * sT, sh + t * s_bs, (size_t)hs, nt);
+                    if (pf) {
+                        const char *p = pf + h * nxt.s_h + t * nxt.s_bs;
+                        for (int64_t o = 0; o < hs; o += 64)
+                            __builtin_prefetch(p + o, 0, 0);
+                    }
+                    copy_run(dh + t * sT, sh + t * s_bs, (size_t)hs, nt);
                 }
             }
         } else {
-            /* read the dense rows sequentially: tokens outer */
-            const int fast = nt && (g_variant & 64) && hs % 64 == 0 && s_h % 16 == 0 &&
-                             s_bs % 16 == 0 && ((uintptr_t)pg & 15) == 0;
+            /* read the dense rows in address order (tokens outer) */
             for (int64_t t = 0; t < n; t++) {
                 const char *srow = dn + t * sT;
                 char *drow = pg + t * s_bs;
-                for (int64_t h = 0; h < NH; h++) {
-                    if (nx)
-                        prefetch_piece(nx + h * nx_sh + t * nx_sbs, hs);
-                    if (fast)
-                        copy_nt64(drow + h * s_h, srow + h * hs, (size_t)hs);
-                    else
-                        copy_run(drow + h * s_h, srow + h * hs, (size_t)hs, nt);
-                }
+                for (int64_t h = 0; h < NH; h++)
+                    copy_run(drow + h * s_h, srow + h * hs, (size_t)hs, nt);
             }
         }
+        cur = nxt;
     }
 }
 
@@ -387,26 +285,9 @@ static void run_stream(const job_t *j, int64_t i0, int64_t i1)
     }
 }
 
-static void run_range(const job_t *j, int64_t i0, int64_t i1, char *stage)
-{
-    switch (j->kind) {
-    case KIND_CHUNKS_DENSE:
-        run_chunks_dense(j, i0, i1);
-        break;
-    case KIND_PAGED:
-        run_paged(j, i0, i1, stage);
-        break;
-    default:
-        run_stream(j, i0, i1);
-        break;
-    }
-}
-
 /* Claim grains until the job is exhausted (caller and workers alike). */
 static void job_work(job_t *j)
 {
-    /* per-thread staging tile for the paged layouts (heap: thread stacks may be small) */
-    char *stage = j->kind == KIND_PAGED ? (char *)aligned_alloc(64, STAGE_BYTES) : NULL;
     for (;;) {
         int64_t i0 = (int64_t)atomic_fetch_add(&j->next, j->grain);
         if (i0 >= j->nitems)
@@ -414,9 +295,18 @@ static void job_work(job_t *j)
         int64_t i1 = i0 + j->grain;
         if (i1 > j->nitems)
             i1 = j->nitems;
-        run_range(j, i0, i1, stage);
+        switch (j->kind) {
+        case KIND_CHUNKS_DENSE:
+            run_chunks_dense(j, i0, i1);
+            break;
+        case KIND_PAGED:
+            run_paged(j, i0, i1);
+            break;
+        default:
+            run_stream(j, i0, i1);
+            break;
+        }
     }
-    free(stage);
     store_fence(j->nt);
 }
 
@@ -425,19 +315,23 @@ static void job_work(job_t *j)
 /* ------------------------------------------------------------------------ */
 
 /* One parallel job at a time: a submitter takes `busy` with trylock; if another
- * thread already owns the pool, the job simply runs on the calling thread. */
+ * thread already owns the pool, the job simply runs on the calling thread.
+ * Workers join a job only while it is open; the submitter closes it once its
+ * own share is done and then waits only for workers that actually joined, so
+ * a worker that the OS has not scheduled yet never delays the caller. */
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_done;
     pthread_mutex_t busy;
     int nworkers;
-    int want;       /* total threads incl. caller; 0 = not yet decided */
-    pid_t pid;      /* process that owns the workers */
-    job_t *job;
+    int want;      /* total threads incl. caller; 0 = not decided yet */
+    pid_t pid;     /* process that owns the workers */
+    job_t *job;    /* the open job, or NULL */
+    int max_workers;
     uint64_t gen;
-    int pending;
+    int joined;    /* workers currently inside `job` */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, 0, 0};
+          PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, 0, 0, 0};
 
 typedef struct {
     int idx;
@@ -451,17 +345,19 @@ static void *worker_main(void *p)
     worker_arg *a = (worker_arg *)p;
     int idx = a->idx;
     pthread_mutex_lock(&pool.mu);
-    uint64_t seen = a->gen; /* generation at creation: never miss the first job */
+    uint64_t seen = a->gen;
     for (;;) {
         while (pool.gen == seen)
             pthread_cond_wait(&pool.cv_work, &pool.mu);
         seen = pool.gen;
         job_t *j = pool.job;
+        if (!j || idx >= pool.max_workers)
+            continue; /* closed already, or not wanted for this job */
+        pool.joined++;
         pthread_mutex_unlock(&pool.mu);
-        if (idx < j->max_workers)
-            job_work(j);
+        job_work(j);
         pthread_mutex_lock(&pool.mu);
-        if (--pool.pending == 0)
+        if (--pool.joined == 0)
             pthread_cond_signal(&pool.cv_done);
     }
     return NULL;
@@ -469,7 +365,7 @@ static void *worker_main(void *p)
 
 /* In a forked child the workers do not exist any more and the locks may be
  * held by threads that vanished: start from scratch. */
-static void pool_reset_locked_state(void)
+static void atfork_child(void)
 {
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.cv_work, NULL);
@@ -477,11 +373,9 @@ static void pool_reset_locked_state(void)
     pthread_mutex_init(&pool.busy, NULL);
     pool.nworkers = 0;
     pool.job = NULL;
-    pool.pending = 0;
+    pool.joined = 0;
     pool.pid = getpid();
 }
-
-static void atfork_child(void) { pool_reset_locked_state(); }
 
 static int default_threads(void)
 {
@@ -503,17 +397,24 @@ static int default_threads(void)
 #endif
     if (n < 1)
         n = 1;
-    /* memory bandwidth saturates well before core count on big boxes */
+    /* a copy saturates memory bandwidth long before it runs out of cores */
     if (n > 8)
         n = 8;
     return (int)n;
+}
+
+static int pool_threads(void)
+{
+    if (pool.want == 0)
+        pool.want = default_threads();
+    return pool.want;
 }
 
 /* Called with `busy` held.  Spawns missing workers; returns how many exist. */
 static int pool_ensure(int want_workers)
 {
     if (pool.pid != getpid()) {
-        /* fork without atfork (should not happen) -- forget old workers */
+        /* forked without the atfork handler having run: old workers are gone */
         pool.nworkers = 0;
         pool.pid = getpid();
     }
@@ -523,14 +424,14 @@ static int pool_ensure(int want_workers)
         return pool.nworkers;
     sigset_t all, old;
     sigfillset(&all);
-    /* workers must never run Python signal handlers: block everything */
+    /* workers inherit the mask: they must never take process signals */
     pthread_sigmask(SIG_BLOCK, &all, &old);
     pthread_mutex_lock(&pool.mu);
     while (pool.nworkers < want_workers) {
         pthread_t th;
         pthread_attr_t attr;
         worker_args[pool.nworkers].idx = pool.nworkers;
-        worker_args[pool.nworkers].gen = pool.gen;
+        worker_args[pool.nworkers].gen = pool.gen; /* so it cannot miss the next job */
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 256 * 1024);
@@ -545,14 +446,13 @@ static int pool_ensure(int want_workers)
     return pool.nworkers;
 }
 
-static int pool_threads(void)
+static void run_serial(job_t *j)
 {
-    if (pool.want == 0)
-        pool.want = default_threads();
-    return pool.want;
+    j->grain = j->nitems;
+    job_work(j);
 }
 
-/* Run a job; GIL must be released by the caller. */
+/* Run a job; the GIL must be released by the caller. */
 static void job_execute(job_t *j, int64_t payload)
 {
     int threads = pool_threads();
@@ -561,32 +461,33 @@ static void job_execute(job_t *j, int64_t payload)
         return;
     if (threads <= 1 || payload < g_par_threshold || j->nitems < 2 ||
         pthread_mutex_trylock(&pool.busy) != 0) {
-        j->grain = j->nitems;
-        job_work(j);
+        run_serial(j);
         return;
     }
     int workers = pool_ensure(threads - 1);
     if (workers <= 0) {
         pthread_mutex_unlock(&pool.busy);
-        j->grain = j->nitems;
-        job_work(j);
+        run_serial(j);
         return;
     }
-    j->max_workers = threads - 1;
-    /* ~8 grains per thread: balances uneven items without atomics traffic */
-    int64_t g = j->nitems / ((int64_t)threads * 8);
+    /* ~1 MiB grains: small enough that a preempted thread leaves little tail */
+    int64_t per_item = payload / j->nitems;
+    int64_t g = per_item > 0 ? GRAIN_BYTES / per_item : j->nitems;
+    int64_t cap = j->nitems / (2 * (int64_t)threads);
+    if (g > cap)
+        g = cap;
     j->grain = g < 1 ? 1 : g;
     pthread_mutex_lock(&pool.mu);
     pool.job = j;
-    pool.pending = workers;
+    pool.max_workers = threads - 1;
     pool.gen++;
     pthread_cond_broadcast(&pool.cv_work);
     pthread_mutex_unlock(&pool.mu);
     job_work(j);
     pthread_mutex_lock(&pool.mu);
-    while (pool.pending > 0)
+    pool.job = NULL; /* closed: late wakers skip it */
+    while (pool.joined > 0)
         pthread_cond_wait(&pool.cv_done, &pool.mu);
-    pool.job = NULL;
     pthread_mutex_unlock(&pool.mu);
     pthread_mutex_unlock(&pool.busy);
 }
@@ -1080,8 +981,6 @@ static PyObject *py_set_thresholds(PyObject *self, PyObject *const *args, Py_ssi
     PyObject *prev = Py_BuildValue("(LL)", (long long)g_par_threshold, (long long)g_nt_threshold);
     if (p >= 0)
         g_par_threshold = p;
-    if (n < -1)
-        g_variant = (int)(-n - 2);
     if (n >= 0)
         g_nt_threshold = n;
     return prev;

@@ -372,21 +372,25 @@ def _t_pack(dense: Tensor, cache: Tensor, bt: Tensor, scratch: Tensor | None) ->
         dense[:, full * BS :].view(P, rem, NH, HS).copy_(src)
 
 
-def _t_unpack(dense: Tensor, cache: Tensor, bt: Tensor) -> None:
-    """cache [NB, P, NH, BS, HS] <- dense [P, n, D] through bt (index_copy_ per block)."""
+def _t_unpack(dense: Tensor, cache: Tensor, bt: Tensor, scratch: Tensor) -> None:
+    """cache [NB, P, NH, BS, HS] <- dense [P, n, D] through bt: permute, then row scatter.
+
+    index_copy_ from a permuted view goes element by element (~100x slower), so
+    the blocks are first laid out contiguously in ``scratch``.
+    """
     _, P, NH, BS, HS = cache.shape
     n = dense.shape[1]
     full, rem = divmod(n, BS)
     if full:
         src = dense[:, : full * BS].view(P, full, BS, NH, HS).permute(1, 0, 3, 2, 4)
-        cache.index_copy_(0, bt[:full], src)
+        cache.index_copy_(0, bt[:full], scratch[:full].copy_(src))
     if rem:
         dst = cache[int(bt[full])][:, :, :rem].permute(0, 2, 1, 3)
         dst.copy_(dense[:, full * BS :].view(P, rem, NH, HS))
 
 
 def _scratch(pg: _Paged, tokens: int) -> Tensor:
-    # One layer's gathered blocks, reused across layers to avoid L allocations.
+    # One layer's blocks in cache order, reused across layers (one allocation).
     full = tokens // pg.BS
     return torch.empty((full, pg.P, pg.NH, pg.BS, pg.HS), dtype=pg.dtype)
 
@@ -522,13 +526,12 @@ def _paged_dense(
         del keep
         return
     bt = _block_table(block_ids, need, pg.NB)
-    if to_dense:
-        scratch = _scratch(pg, g.T)
-        for layer, cache in enumerate(pg.views):
+    scratch = _scratch(pg, g.T)
+    for layer, cache in enumerate(pg.views):
+        if to_dense:
             _t_pack(dense[:, layer], cache, bt, scratch)
-    else:
-        for layer, cache in enumerate(pg.views):
-            _t_unpack(dense[:, layer], cache, bt)
+        else:
+            _t_unpack(dense[:, layer], cache, bt, scratch)
 
 
 def paged_to_dense(
@@ -611,7 +614,7 @@ def _paged_chunks(
     placed = _check_placements(chunks, region, P=pg.P, L=L, T=T, C=C, row=row)
     bt = _block_table(block_ids, -(-T // pg.BS), pg.NB)
     geom = (pg.P, L, pg.NH * pg.HS, it)
-    scratch = _scratch(pg, C) if to_chunks else None
+    scratch = _scratch(pg, C)
     for p in placed:
         view = _raw(p.addr, p.ntok, geom, dtype)
         b0 = p.k * C // pg.BS
@@ -620,7 +623,7 @@ def _paged_chunks(
             if to_chunks:
                 _t_pack(view[:, layer], cache, sub, scratch)
             else:
-                _t_unpack(view[:, layer], cache, sub)
+                _t_unpack(view[:, layer], cache, sub, scratch)
 
 
 def paged_to_chunks(
