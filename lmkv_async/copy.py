@@ -153,10 +153,14 @@ def _check_no_overlap(name: str, shape: Sequence[int], strides: Sequence[int]) -
         reach = st * sz
 
 
-def _check_extent(name: str, t: Tensor) -> None:
-    if t.numel() == 0:
-        return
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+def _check_extent(name: str, t: Tensor, shape: Sequence[int], strides: Sequence[int]) -> None:
+    # torch keeps views inside their storage, but a storage can be resized
+    # under a live view (untyped_storage().resize_()); then the view dangles.
+    last = t.storage_offset()
+    for n, st in zip(shape, strides, strict=True):
+        if n == 0:
+            return
+        last += (n - 1) * st
     if (last + 1) * t.element_size() > t.untyped_storage().nbytes():
         raise CopyBoundsError(f"{name} reaches past the end of its storage")
 
@@ -164,25 +168,26 @@ def _check_extent(name: str, t: Tensor) -> None:
 def _dense(t: Tensor, name: str, *, write: bool) -> _Dense:
     if not isinstance(t, Tensor):
         raise LayoutMismatchError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise LayoutMismatchError(f"{name} must be a CPU tensor, got device {t.device}")
-    if t.dim() != 4:
-        raise LayoutMismatchError(f"{name} must be [P, L, T, D], got shape {tuple(t.shape)}")
+    shape = t.shape
+    if len(shape) != 4:
+        raise LayoutMismatchError(f"{name} must be [P, L, T, D], got shape {tuple(shape)}")
     it = t.element_size()
     if it not in _ITEMSIZES or t.is_complex():
         raise LayoutMismatchError(f"{name} has unsupported dtype {t.dtype}")
-    P, L, T, D = t.shape
+    P, L, T, D = shape
     s = t.stride()
     if D > 1 and s[3] != 1:
         raise LayoutMismatchError(f"{name}'s last dim must be contiguous, strides {s}")
     if write:
-        _check_no_overlap(name, t.shape, s)
-    _check_extent(name, t)
+        _check_no_overlap(name, shape, s)
+    _check_extent(name, t, shape, s)
     return _Dense(t.data_ptr(), P, L, T, D, it, s[0] * it, s[1] * it, s[2] * it)
 
 
 class _Paged(NamedTuple):
-    views: list[Tensor]  # per layer, as [NB, P, NH, BS, HS]
+    layers: Sequence[Tensor]
     P: int
     NH: int
     BS: int
@@ -191,8 +196,13 @@ class _Paged(NamedTuple):
     dtype: torch.dtype
     lay: array[int]  # L x (ptr, s_nb, s_kv, s_h, s_bs) in bytes, for the C kernel
 
+    def views(self) -> list[Tensor]:
+        """Per-layer [NB, P, NH, BS, HS] views (MLA [NB, BS, D] gets P = NH = 1)."""
+        return [c[:, None, None] if c.dim() == 3 else c for c in self.layers]
+
 
 def _paged(caches: Sequence[Tensor], *, write: bool) -> _Paged:
+    # Runs once per layer per call, so it sticks to the cheapest tensor queries.
     if isinstance(caches, Tensor) or not isinstance(caches, Sequence):
         raise LayoutMismatchError("caches must be a sequence of per-layer tensors")
     if len(caches) == 0:
@@ -200,37 +210,39 @@ def _paged(caches: Sequence[Tensor], *, write: bool) -> _Paged:
     first = caches[0]
     if not isinstance(first, Tensor):
         raise LayoutMismatchError("caches must be a sequence of per-layer tensors")
-    shape, dtype = tuple(first.shape), first.dtype
-    if len(shape) not in (3, 5):
+    shape, dtype = first.shape, first.dtype
+    if len(shape) == 5:
+        NB, P, NH, BS, HS = shape
+    elif len(shape) == 3:  # MLA [NB, BS, D]: the HND layout with P = NH = 1
+        (NB, BS, HS), P, NH = shape, 1, 1
+    else:
         raise LayoutMismatchError(
-            f"a paged cache layer must be [NB, P, NH, BS, HS] or [NB, BS, D], got {shape}"
+            f"a paged cache layer must be [NB, P, NH, BS, HS] or [NB, BS, D], got {tuple(shape)}"
         )
+    if BS < 1 or HS < 1 or NH < 1:
+        raise LayoutMismatchError(f"degenerate paged cache shape {tuple(shape)}")
     it = first.element_size()
     if it not in _ITEMSIZES or first.is_complex():
         raise LayoutMismatchError(f"caches have unsupported dtype {dtype}")
-    views: list[Tensor] = []
     lay = array("q")
     for i, c in enumerate(caches):
-        if not isinstance(c, Tensor) or c.device.type != "cpu":
+        if not isinstance(c, Tensor) or not c.is_cpu:
             raise LayoutMismatchError(f"caches[{i}] must be a CPU tensor")
-        if tuple(c.shape) != shape or c.dtype != dtype:
+        if c.shape != shape or c.dtype != dtype:
             raise LayoutMismatchError(
-                f"caches[{i}] is {tuple(c.shape)} {c.dtype}, caches[0] is {shape} {dtype}"
+                f"caches[{i}] is {tuple(c.shape)} {c.dtype}, caches[0] is {tuple(shape)} {dtype}"
             )
-        # MLA [NB, BS, D] is the HND layout with P = NH = 1
-        v = c[:, None, None] if len(shape) == 3 else c
-        s = v.stride()
-        if v.shape[4] > 1 and s[4] != 1:
+        s = c.stride()
+        if HS > 1 and s[-1] != 1:
             raise LayoutMismatchError(f"caches[{i}]'s head dim must be contiguous, strides {s}")
         if write:
-            _check_no_overlap(f"caches[{i}]", v.shape, s)
-        _check_extent(f"caches[{i}]", v)
-        views.append(v)
-        lay.extend((v.data_ptr(), s[0] * it, s[1] * it, s[2] * it, s[3] * it))
-    NB, P, NH, BS, HS = views[0].shape
-    if BS < 1 or NH < 1 or HS < 1:
-        raise LayoutMismatchError(f"degenerate paged cache shape {shape}")
-    return _Paged(views, P, NH, BS, HS, NB, dtype, lay)
+            _check_no_overlap(f"caches[{i}]", shape, s)
+        _check_extent(f"caches[{i}]", c, shape, s)
+        if len(s) == 5:
+            lay.extend((c.data_ptr(), s[0] * it, s[1] * it, s[2] * it, s[3] * it))
+        else:
+            lay.extend((c.data_ptr(), s[0] * it, 0, 0, s[1] * it))
+    return _Paged(caches, P, NH, BS, HS, NB, dtype, lay)
 
 
 def _chunk_tokens(c: int) -> int:
@@ -475,8 +487,8 @@ def dense_to_chunks(
 
 
 def _check_dense_paged(g: _Dense, pg: _Paged, dense: Tensor, name: str) -> None:
-    if g.L != len(pg.views):
-        raise LayoutMismatchError(f"{name} has {g.L} layers, caches has {len(pg.views)}")
+    if g.L != len(pg.layers):
+        raise LayoutMismatchError(f"{name} has {g.L} layers, caches has {len(pg.layers)}")
     if g.P != pg.P or g.D != pg.NH * pg.HS:
         raise LayoutMismatchError(
             f"{name} is [P={g.P}, D={g.D}], caches are [P={pg.P}, NH*HS={pg.NH * pg.HS}]"
@@ -527,7 +539,7 @@ def _paged_dense(
         return
     bt = _block_table(block_ids, need, pg.NB)
     scratch = _scratch(pg, g.T)
-    for layer, cache in enumerate(pg.views):
+    for layer, cache in enumerate(pg.views()):
         if to_dense:
             _t_pack(dense[:, layer], cache, bt, scratch)
         else:
@@ -580,8 +592,8 @@ def _paged_chunks(
         raise LayoutMismatchError(f"dtype {dtype} does not match the caches' {pg.dtype}")
     if C % pg.BS:
         raise LayoutMismatchError(f"chunk_tokens={C} must be a multiple of the block size {pg.BS}")
-    it = pg.views[0].element_size()
-    L, T, row = len(pg.views), num_tokens, pg.NH * pg.HS * it
+    it = pg.layers[0].element_size()
+    L, T, row = len(pg.layers), num_tokens, pg.NH * pg.HS * it
     if _use_c(backend):
         mode, base, size, rl = _region_args(region)
         seq, bptr, blen, keep = _bt_args(block_ids)
@@ -615,11 +627,12 @@ def _paged_chunks(
     bt = _block_table(block_ids, -(-T // pg.BS), pg.NB)
     geom = (pg.P, L, pg.NH * pg.HS, it)
     scratch = _scratch(pg, C)
+    views = pg.views()
     for p in placed:
         view = _raw(p.addr, p.ntok, geom, dtype)
         b0 = p.k * C // pg.BS
         sub = bt[b0 : b0 + -(-p.ntok // pg.BS)]
-        for layer, cache in enumerate(pg.views):
+        for layer, cache in enumerate(views):
             if to_chunks:
                 _t_pack(view[:, layer], cache, sub, scratch)
             else:

@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -648,6 +649,46 @@ def test_run_copy_inline_and_threaded() -> None:
 
     asyncio.run(main())
     assert seen == ["a-True", "b+False"]
+
+
+@pytest.mark.skipif(not kc.kernel_available(), reason="C kernel not built")
+def test_concurrent_callers_share_the_pool() -> None:
+    """Several Python threads copying at once: one gets the pool, the others run
+    on their own thread; every result must be exact."""
+    prev = kc._ext.set_thresholds(0, 0)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        caches = [rand_bits((64, 2, 4, 16, 32), torch.bfloat16, gen) for _ in range(3)]
+        bt = torch.randperm(64, generator=gen)[:40]
+        expect = ref_pack(caches, bt.tolist(), 40 * 16 - 3)
+        errors: list[str] = []
+
+        def work(seed: int) -> None:
+            for _ in range(20):
+                out = torch.empty_like(expect)
+                kc.paged_to_dense(out, caches, bt, backend="c")
+                if not same(out, expect):
+                    errors.append(f"thread {seed}")
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors
+    finally:
+        kc._ext.set_thresholds(*prev)
+
+
+@pytest.mark.skipif(not kc.kernel_available(), reason="C kernel not built")
+def test_thread_count_from_environment() -> None:
+    code = "from lmkv_async import copy; print(copy.num_threads())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LMKV_COPY_THREADS": "3", "PYTHONPATH": root}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "3"
 
 
 def test_fork_resets_pool() -> None:
