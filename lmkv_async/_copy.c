@@ -532,20 +532,18 @@ static int arg_addr(PyObject *o, uint64_t *out)
     return 0;
 }
 
-static int pair_from(PyObject *item, PyObject **a, PyObject **b, const char *what)
+/* A (int, int) pair as a tuple we own a reference to: converting its items may
+ * run __index__, which must not be able to free them under us. */
+static PyObject *pair_from(PyObject *item, const char *what)
 {
     if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2) {
-        *a = PyTuple_GET_ITEM(item, 0);
-        *b = PyTuple_GET_ITEM(item, 1);
-        return 0;
+        Py_INCREF(item);
+        return item;
     }
-    if (PyList_Check(item) && PyList_GET_SIZE(item) == 2) {
-        *a = PyList_GET_ITEM(item, 0);
-        *b = PyList_GET_ITEM(item, 1);
-        return 0;
-    }
+    if (PyList_Check(item) && PyList_GET_SIZE(item) == 2)
+        return PyList_AsTuple(item);
     PyErr_Format(InputError, "%s must be (int, int) pairs", what);
-    return -1;
+    return NULL;
 }
 
 typedef struct {
@@ -559,19 +557,20 @@ typedef struct {
 static seg_t *parse_chunks(PyObject *chunks, const region_spec *rg, int64_t P, int64_t L,
                            int64_t T, int64_t C, int64_t row, int64_t *nseg_out)
 {
-    PyObject *fast = PySequence_Fast(chunks, "chunks must be a sequence of (index, address)");
+    /* tuples, not the caller's lists: a snapshot that __index__ cannot mutate */
+    PyObject *fast = PySequence_Tuple(chunks);
     if (!fast)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
     PyObject *rfast = NULL;
     seg_t *segs = NULL;
     if (rg->mode == 2) {
-        rfast = PySequence_Fast(rg->list, "region must be a Region or a sequence of them");
+        rfast = PySequence_Tuple(rg->list);
         if (!rfast)
             goto fail;
-        if (PySequence_Fast_GET_SIZE(rfast) != n) {
-            PyErr_Format(InputError, "got %zd regions for %zd chunks",
-                         PySequence_Fast_GET_SIZE(rfast), n);
+        if (PyTuple_GET_SIZE(rfast) != n) {
+            PyErr_Format(InputError, "got %zd regions for %zd chunks", PyTuple_GET_SIZE(rfast),
+                         n);
             goto fail;
         }
     }
@@ -581,19 +580,20 @@ static seg_t *parse_chunks(PyObject *chunks, const region_spec *rg, int64_t P, i
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a, *b;
         int64_t k;
         uint64_t addr;
-        if (pair_from(PySequence_Fast_GET_ITEM(fast, i), &a, &b, "chunks") < 0)
+        PyObject *pair = pair_from(PyTuple_GET_ITEM(fast, i), "chunks");
+        if (!pair)
             goto fail;
-        if (arg_i64(a, &k) < 0) {
-            if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                PyErr_Clear();
-                PyErr_Format(BoundsError, "chunk #%zd: index out of range", i);
-            }
-            goto fail;
+        int rc = arg_i64(PyTuple_GET_ITEM(pair, 0), &k);
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(BoundsError, "chunk #%zd: index out of range", i);
         }
-        if (arg_addr(b, &addr) < 0)
+        if (rc == 0)
+            rc = arg_addr(PyTuple_GET_ITEM(pair, 1), &addr);
+        Py_DECREF(pair);
+        if (rc < 0)
             goto fail;
         if (k < 0 || k > T / C || k * C >= T) {
             PyErr_Format(BoundsError, "chunk #%zd: index %lld outside the %lld-token range", i,
@@ -620,10 +620,14 @@ static seg_t *parse_chunks(PyObject *chunks, const region_spec *rg, int64_t P, i
             rsize = rg->size;
             check = 1;
         } else if (rg->mode == 2) {
-            PyObject *ra, *rb;
-            if (pair_from(PySequence_Fast_GET_ITEM(rfast, i), &ra, &rb, "regions") < 0)
+            PyObject *rp = pair_from(PyTuple_GET_ITEM(rfast, i), "regions");
+            if (!rp)
                 goto fail;
-            if (arg_addr(ra, &rbase) < 0 || arg_addr(rb, &rsize) < 0) {
+            int rrc = arg_addr(PyTuple_GET_ITEM(rp, 0), &rbase);
+            if (rrc == 0)
+                rrc = arg_addr(PyTuple_GET_ITEM(rp, 1), &rsize);
+            Py_DECREF(rp);
+            if (rrc < 0) {
                 if (PyErr_ExceptionMatches(BoundsError)) {
                     PyErr_Clear();
                     PyErr_Format(InputError, "region #%zd is not (address, size)", i);
@@ -764,18 +768,17 @@ static int64_t *parse_block_table(PyObject *obj, int64_t ptr, int64_t len, int64
         return NULL;
     }
     if (obj != Py_None) {
-        PyObject *fast = PySequence_Fast(obj, "block_ids must be a sequence of ints");
+        PyObject *fast = PySequence_Tuple(obj);
         if (!fast)
             goto fail;
-        if (PySequence_Fast_GET_SIZE(fast) < need) {
+        if (PyTuple_GET_SIZE(fast) < need) {
             PyErr_Format(LayoutError, "block table has %zd entries, %lld needed",
-                         PySequence_Fast_GET_SIZE(fast), (long long)need);
+                         PyTuple_GET_SIZE(fast), (long long)need);
             Py_DECREF(fast);
             goto fail;
         }
-        PyObject **items = PySequence_Fast_ITEMS(fast);
         for (int64_t i = 0; i < need; i++) {
-            if (arg_i64(items[i], &bt[i]) < 0) {
+            if (arg_i64(PyTuple_GET_ITEM(fast, i), &bt[i]) < 0) {
                 if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
                     PyErr_Clear();
                     PyErr_Format(BoundsError, "block id #%lld out of range", (long long)i);

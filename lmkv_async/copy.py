@@ -242,7 +242,8 @@ def _paged(caches: Sequence[Tensor], *, write: bool) -> _Paged:
             lay.extend((c.data_ptr(), s[0] * it, s[1] * it, s[2] * it, s[3] * it))
         else:
             lay.extend((c.data_ptr(), s[0] * it, 0, 0, s[1] * it))
-    return _Paged(caches, P, NH, BS, HS, NB, dtype, lay)
+    # a tuple: the layers stay referenced even if the caller mutates its list mid-copy
+    return _Paged(tuple(caches), P, NH, BS, HS, NB, dtype, lay)
 
 
 def _chunk_tokens(c: int) -> int:
