@@ -321,6 +321,10 @@ class AsyncKVContext:
         self._registered_generation = generation
         old_pool, self._pool = self._pool, None
         if old_pool is not None:
+            if old_pool.is_current(reply.shm_name, reply.pool_size):
+                # Same server (e.g. only one socket of the pool reconnected): keep it.
+                self._pool = old_pool
+                return
             # An operation may still hold addresses into it; unmap at close.
             self._retired_pools.append(old_pool)
         mode: Literal["shm", "pickle"] = "pickle"

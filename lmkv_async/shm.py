@@ -49,7 +49,9 @@ class PoolMapping:
         self.path = os.path.join(shm_dir, name)
         fd = os.open(self.path, os.O_RDWR)
         try:
-            actual = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            actual = info.st_size
+            self.inode = (info.st_dev, info.st_ino)
             if actual < size:
                 raise OSError(f"SHM segment {self.path} has {actual} bytes, server said {size}")
             addr = _libc.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
@@ -61,6 +63,16 @@ class PoolMapping:
         self.address: int = int(addr)
         self.size = size
         self._closed = False
+
+    def is_current(self, name: str, size: int) -> bool:
+        """Whether ``name`` still is the very segment we mapped (not a new one)."""
+        if self._closed or name != self.name or size != self.size:
+            return False
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self.inode
 
     @property
     def region(self) -> Region:
