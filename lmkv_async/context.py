@@ -132,6 +132,40 @@ class _Seq:
     lookup_sent: bool = False
     hit: int | None = None
     retrieve_key: bytes | None = None
+    read_gate: bytes | None = None  # held from prepare_retrieve until commit_retrieve
+
+
+class _KeyedLock:
+    """One asyncio lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[bytes, tuple[asyncio.Lock, int]] = {}
+
+    async def acquire(self, key: bytes, deadline: float, server: str) -> None:
+        lock, users = self._locks.get(key, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            await asyncio.wait_for(lock.acquire(), max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:
+            self._drop(key)
+            if isinstance(exc, TimeoutError):
+                raise ServerTimeoutError(
+                    "deadline expired waiting for a concurrent retrieve of the same prefix",
+                    op="prepare_retrieve", server=server) from None
+            raise
+
+    def release(self, key: bytes) -> None:
+        self._locks[key][0].release()
+        self._drop(key)
+
+    def _drop(self, key: bytes) -> None:
+        lock, users = self._locks[key]
+        if users <= 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
 
 
 class _OpState:
@@ -190,6 +224,11 @@ class AsyncKVContext:
         self._mode: Literal["shm", "pickle"] = "pickle"
         self._slot_spec: SlotSpec | None = None
         self._registered_generation = -1
+        self._register_sent = False
+        #: SHM retrieves of one prefix are serialised: the server keys pending reads by
+        #: (instance, key) and key equality ignores request_id, so a second concurrent
+        #: prepare_retrieve of the same key would overwrite the first's pending read.
+        self._read_gates = _KeyedLock()
         self._register_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
@@ -246,7 +285,9 @@ class AsyncKVContext:
             if self._heartbeat_interval > 0:
                 self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="lmkv-heartbeat")
         except BaseException:
-            await self._teardown(unregister=self._registered_generation >= 0)
+            # Unregister whenever a registration was sent: its reply may have been late
+            # or malformed after the server had registered us (unregister is idempotent).
+            await self._teardown(unregister=self._register_sent)
             raise
 
     async def _detect_server(self) -> None:
@@ -315,6 +356,7 @@ class AsyncKVContext:
             num_physical_slots=self._chunk_size,
         )
         conn = self._transport.pick()
+        self._register_sent = True
         raw = await self._rpc(conn, "register_kv_cache_engine_driven_context",
                               [encode_register(payload)], deadline)
         reply = parse_register(raw)
@@ -457,11 +499,13 @@ class AsyncKVContext:
         try:
             reply = await conn.request(op, self.dialect.op_id(op), payloads, timeout=remaining,
                                        on_late=on_late, late_window=CLEANUP_TIMEOUT)
+            return reply.result()
         except ServerError as exc:
             if exc.op is None:
                 exc.op = op
+            if exc.server is None:
+                exc.server = self.url
             raise
-        return reply.result()
 
     async def _cleanup_rpc(self, seq: _Seq, op: str, payloads: Sequence[bytes]) -> object:
         """A release step: own deadline, failures logged (the caller's error wins).
@@ -508,6 +552,10 @@ class AsyncKVContext:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             state.abandoned = True
+            raise
+        except ServerError as exc:  # errors from reply parsing name the server too
+            if exc.server is None:
+                exc.server = self.url
             raise
 
     def _track(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
@@ -576,12 +624,16 @@ class AsyncKVContext:
         hit = seq.hit
         if hit is None:
             # The lookup may still run on the server; consume its result so we know
-            # what it locked (query returns 0 for an unknown job).
+            # what it locked. If our query had consumed it already (its reply was lost),
+            # the wait says 0: a bounded free (0.5.6) may then free the whole range,
+            # since the server limits it to the hit it recorded for this session.
             raw = await self._cleanup_rpc(seq, "wait_prefetch_status", [pack(seq.rid), pack(1.0)])
             try:
                 hit = as_optional_count(raw, "wait_prefetch_status") or 0
             except ProtocolError:
                 hit = 0
+            if self.dialect.bounded_free:
+                hit = seq.n // self._chunk_size
             free_hit = True
         if free_hit and hit:
             key = seq.enc.encode(prefix_len=seq.n, start=0, end=hit * self._chunk_size,
@@ -711,6 +763,10 @@ class AsyncKVContext:
                 return 0
             key = seq.enc.encode(prefix_len=hit * C, start=0, end=hit * C, request_id=seq.rid,
                                  worker_id=0)
+            if spec is not None:
+                gate = seq.enc.identity(hit * C)
+                await self._read_gates.acquire(gate, deadline, self.url)
+                seq.read_gate = gate
             seq.retrieve_key = key
             prepared = "sent"
             raw = await self._rpc(seq.conn, "prepare_retrieve", [key, pack(self.instance_id)],
@@ -747,12 +803,16 @@ class AsyncKVContext:
             self._release_later(self._release_retrieve(seq, prepared))
 
     async def _release_retrieve(self, seq: _Seq, prepared: str) -> None:
-        if prepared in ("shm", "sent") and seq.retrieve_key is not None:
-            # commit_retrieve releases the pending read (SHM). After a lost
-            # prepare reply it is sent on the same socket, so the server's
-            # per-identity FIFO runs it after the prepare; a second commit is a no-op.
-            await self._cleanup_rpc(seq, "commit_retrieve",
-                                    [seq.retrieve_key, pack(self.instance_id)])
+        try:
+            if prepared in ("shm", "sent") and seq.retrieve_key is not None:
+                # commit_retrieve releases the pending read (SHM). After a lost
+                # prepare reply it is sent on the same socket, so the server's
+                # per-identity FIFO runs it after the prepare; a second commit is a no-op.
+                await self._cleanup_rpc(seq, "commit_retrieve",
+                                        [seq.retrieve_key, pack(self.instance_id)])
+        finally:
+            if seq.read_gate is not None:
+                self._read_gates.release(seq.read_gate)
         # pickle prepare released its locks itself; "none"/"failed" still hold the lookup's.
         await self._release_lookup(seq, free_hit=prepared in ("none", "failed"))
 

@@ -322,13 +322,6 @@ async def test_concurrent_retrieves_of_one_prefix(
     request: pytest.FixtureRequest,
 ) -> None:
     """Many requests sharing one cached prefix (a system prompt) retrieved at once."""
-    if shm:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "BUG: concurrent SHM retrieves of the same prefix from one context leak read "
-            "locks. The server keys pending reads by (instance_id, key) and key equality "
-            "ignores request_id, so a second prepare_retrieve overwrites the first's entry; "
-            "the first commit_retrieve pops it and the second finds nothing: one lookup's "
-            "locks stay until the read TTL (300 s)")))
     # private: leaked locks must not outlive this test on a shared server
     server = server_factory(version, shm=shm, private=shm)
     async with lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT,

@@ -55,6 +55,9 @@ class Dialect:
     clear_takes_force: bool
     #: ``num_physical_slots`` other than the chunk size is honoured (>= 0.5.5).
     honours_physical_slots: bool
+    #: ``free_lookup_locks`` only releases the hit its session recorded, with lock
+    #: owners (0.5.6); before that it frees anonymously whatever range it is given.
+    bounded_free: bool = False
 
     def op_id(self, op: str) -> int:
         """Integer id of ``op`` in this dialect (KeyError if it has none)."""
@@ -112,6 +115,7 @@ DIALECT_056 = Dialect(
     },
     clear_takes_force=True,
     honours_physical_slots=True,
+    bounded_free=True,
 )
 
 # 0.5.3-0.5.5 share the 0.5.6 id table but not its clear payload / slot rules.

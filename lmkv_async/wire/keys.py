@@ -69,6 +69,11 @@ class KeyEncoder:
             self._cache[length] = frame
         return frame
 
+    def identity(self, prefix_len: int) -> bytes:
+        """What the server's key equality sees of ``tokens[:prefix_len]`` besides the
+        context's constants: salt and tokens (``request_id`` is not compared)."""
+        return self._salt + self._tokens_frame(prefix_len)
+
     def encode(
         self,
         *,

@@ -7,10 +7,11 @@ touched (protocol reference §3.3, §4.7-4.10, §6.3).
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar, cast
 
 from ..errors import ProtocolError
 from .frames import NO_RESULT
@@ -85,6 +86,27 @@ class PrepareRetrieve:
     shm: bool
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _names_op(op: str) -> Callable[[F], F]:
+    """Errors raised while parsing this op's reply name the op."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def parse(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except ProtocolError as exc:
+                if exc.op is None:
+                    exc.op = op
+                raise
+
+        return cast(F, parse)
+
+    return wrap
+
+
 def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -95,6 +117,7 @@ def _map(value: object, what: str) -> Mapping[str, Any]:
     return value
 
 
+@_names_op("register_kv_cache_engine_driven_context")
 def parse_register(result: object) -> RegisterReply:
     """Parse the registration reply."""
     m = _map(result, "register reply")
@@ -143,6 +166,7 @@ def _check_disjoint(slots: Sequence[Slot]) -> None:
             raise ProtocolError(f"slots overlap at offsets {a.offset} and {b.offset}")
 
 
+@_names_op("prepare_store")
 def parse_prepare_store(result: object, spec: SlotSpec | None, n_chunks: int) -> PrepareStore:
     """Parse ``{context: {slots, chunk_indices}}`` (SHM) or ``{context: {}}`` (pickle)."""
     ctx = _map(_map(result, "prepare_store reply").get("context"), "prepare_store context")
@@ -162,6 +186,7 @@ def parse_prepare_store(result: object, spec: SlotSpec | None, n_chunks: int) ->
     return PrepareStore(shm=True, slots=slots, chunk_indices=tuple(idx))
 
 
+@_names_op("prepare_retrieve")
 def parse_prepare_retrieve(
     result: object, spec: SlotSpec | None, n_chunks: int
 ) -> PrepareRetrieve:
