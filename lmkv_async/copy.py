@@ -25,8 +25,10 @@ together, :class:`~lmkv_async.errors.InvalidInputError` for other bad arguments.
 
 Two backends, bit-identical: ``"c"`` -- the ``lmkv_async._copy`` extension
 (GIL released for the whole copy, streaming stores for payloads >= 1 MiB, a
-persistent two-thread pool for payloads >= 4 MiB; ``LMKV_COPY_THREADS``
-overrides the thread count) -- and ``"torch"``, a pure-torch fallback.
+persistent pool of one thread per CPU -- caller included, at most 8 -- for
+payloads >= 4 MiB; ``LMKV_COPY_THREADS`` overrides the thread count) -- and
+``"torch"``, a pure-torch fallback (many small torch ops: slow when the CPUs
+are oversubscribed, as each waits on torch's OpenMP team).
 ``"auto"`` picks ``"c"`` when the extension is built.
 
 Overlapping destinations (two chunks at the same address, a block id repeated in
@@ -141,6 +143,10 @@ class _Dense(NamedTuple):
     sL: int
     sT: int
 
+    def c_args(self) -> tuple[int, ...]:
+        """(ptr, P, L, T, row bytes, sP, sL, sT) as the kernel's chunks_dense takes them."""
+        return (self.ptr, self.P, self.L, self.T, self.D * self.itemsize, self.sP, self.sL, self.sT)
+
 
 def _check_no_overlap(name: str, shape: Sequence[int], strides: Sequence[int]) -> None:
     # A destination whose elements alias each other (expand(), as_strided) would
@@ -195,6 +201,10 @@ class _Paged(NamedTuple):
     NB: int
     dtype: torch.dtype
     lay: array[int]  # L x (ptr, s_nb, s_kv, s_h, s_bs) in bytes, for the C kernel
+
+    def c_args(self, L: int, T: int, itemsize: int) -> tuple[Any, ...]:
+        """(P, L, T, NH, HS bytes, NB, BS, layer table) as the kernel's paged takes them."""
+        return (self.P, L, T, self.NH, self.HS * itemsize, self.NB, self.BS, self.lay)
 
     def views(self) -> list[Tensor]:
         """Per-layer [NB, P, NH, BS, HS] views (MLA [NB, BS, D] gets P = NH = 1)."""
@@ -427,24 +437,7 @@ def chunks_to_dense(
     g = _dense(dst, "dst", write=True)
     C = _chunk_tokens(chunk_tokens)
     if _use_c(backend):
-        mode, base, size, rl = _region_args(region)
-        _ext.chunks_dense(
-            1,
-            g.ptr,
-            g.P,
-            g.L,
-            g.T,
-            g.D * g.itemsize,
-            g.sP,
-            g.sL,
-            g.sT,
-            C,
-            chunks,
-            mode,
-            base,
-            size,
-            rl,
-        )
+        _ext.chunks_dense(1, *g.c_args(), C, chunks, *_region_args(region))
         return
     placed = _check_placements(chunks, region, P=g.P, L=g.L, T=g.T, C=C, row=g.D * g.itemsize)
     for p in placed:
@@ -463,24 +456,7 @@ def dense_to_chunks(
     g = _dense(src, "src", write=False)
     C = _chunk_tokens(chunk_tokens)
     if _use_c(backend):
-        mode, base, size, rl = _region_args(region)
-        _ext.chunks_dense(
-            0,
-            g.ptr,
-            g.P,
-            g.L,
-            g.T,
-            g.D * g.itemsize,
-            g.sP,
-            g.sL,
-            g.sT,
-            C,
-            chunks,
-            mode,
-            base,
-            size,
-            rl,
-        )
+        _ext.chunks_dense(0, *g.c_args(), C, chunks, *_region_args(region))
         return
     placed = _check_placements(chunks, region, P=g.P, L=g.L, T=g.T, C=C, row=g.D * g.itemsize)
     for p in placed:
@@ -512,30 +488,9 @@ def _paged_dense(
     need = -(-g.T // pg.BS)
     if _use_c(backend):
         seq, bptr, blen, keep = _bt_args(block_ids)
-        _ext.paged(
-            to_dense,
-            g.P,
-            g.L,
-            g.T,
-            pg.NH,
-            pg.HS * g.itemsize,
-            pg.NB,
-            pg.BS,
-            pg.lay,
-            seq,
-            bptr,
-            blen,
-            g.ptr,
-            g.sP,
-            g.sL,
-            g.sT,
-            0,
-            None,
-            0,
-            0,
-            0,
-            None,
-        )
+        # dense side given by pointer and strides; no chunks, no region
+        dense_side = (g.ptr, g.sP, g.sL, g.sT, 0, None, 0, 0, 0, None)
+        _ext.paged(to_dense, *pg.c_args(g.L, g.T, g.itemsize), seq, bptr, blen, *dense_side)
         del keep
         return
     bt = _block_table(block_ids, need, pg.NB)
@@ -598,30 +553,8 @@ def _paged_chunks(
     if _use_c(backend):
         mode, base, size, rl = _region_args(region)
         seq, bptr, blen, keep = _bt_args(block_ids)
-        _ext.paged(
-            to_chunks,
-            pg.P,
-            L,
-            T,
-            pg.NH,
-            pg.HS * it,
-            pg.NB,
-            pg.BS,
-            pg.lay,
-            seq,
-            bptr,
-            blen,
-            0,
-            0,
-            0,
-            0,
-            C,
-            chunks,
-            mode,
-            base,
-            size,
-            rl,
-        )
+        chunk_side = (0, 0, 0, 0, C, chunks, mode, base, size, rl)
+        _ext.paged(to_chunks, *pg.c_args(L, T, it), seq, bptr, blen, *chunk_side)
         del keep
         return
     placed = _check_placements(chunks, region, P=pg.P, L=L, T=T, C=C, row=row)
