@@ -225,6 +225,7 @@ class AsyncKVContext:
         self._slot_spec: SlotSpec | None = None
         self._registered_generation = -1
         self._register_sent = False
+        self._loop_dead = False  # see _diagnose_silence
         #: SHM retrieves of one prefix are serialised: the server keys pending reads by
         #: (instance, key) and key equality ignores request_id, so a second concurrent
         #: prepare_retrieve of the same key would overwrite the first's pending read.
@@ -428,11 +429,38 @@ class AsyncKVContext:
         while True:
             await asyncio.sleep(self._heartbeat_interval)
             try:
-                deadline = time.monotonic() + min(self.timeout, self._heartbeat_interval)
+                deadline = time.monotonic() + min(self.timeout, max(self._heartbeat_interval, 1.0))
                 await self._ensure_registered(deadline)
                 await self._rpc(self._transport.pick(), "ping", [pack(self.instance_id)], deadline)
+            except ServerTimeoutError as exc:
+                log.debug("heartbeat timed out: %s", exc)
+                await self._diagnose_silence()
             except (KVCacheError, OSError) as exc:
                 log.debug("heartbeat failed: %s", exc)
+
+    async def _diagnose_silence(self) -> None:
+        """Tell a dead ZMQ request loop from a slow or frozen server (compat.md §12.11).
+
+        A 0.5.2 server's request loop dies for good on an op it cannot decode, while
+        its HTTP API keeps reporting healthy. If HTTP answers but a harmless op-21
+        probe on a fresh socket does not, later timeouts say so.
+        """
+        if not await self._http.healthcheck():
+            return  # all of it is down or frozen: plain timeouts say enough
+        probe = Connection(self._transport.zmq_context, self.url, -1)
+        probe.start()
+        try:
+            answered = await probe.wait_connected(2.0)
+            if answered:
+                await probe.probe(PROBE_OP_ID, timeout=2.0)
+        except KVCacheError:
+            answered = False
+        finally:
+            probe.close()
+        if not answered and not self._loop_dead:
+            log.error("the server's ZMQ request loop is unresponsive while its HTTP API reports "
+                      "healthy (%s); restart the server", self.url)
+        self._loop_dead = not answered
 
     async def aclose(self) -> None:
         """Finish in-flight release steps, unregister, and close everything.
@@ -452,6 +480,11 @@ class AsyncKVContext:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
         give_up = time.monotonic() + CLEANUP_TIMEOUT + self.timeout
+        if self._loop_dead:
+            # Nothing will be answered: do not wait out the release steps' deadlines.
+            for task in self._tasks:
+                task.cancel()
+            give_up = time.monotonic() + 1.0
         # Unregistering with a reservation outstanding would publish it (§6.6): wait for
         # running operations and for late prepare_store replies first (bounded).
         while time.monotonic() < give_up and (
@@ -461,7 +494,7 @@ class AsyncKVContext:
                 await asyncio.wait(list(self._tasks), timeout=give_up - time.monotonic())
             else:
                 await asyncio.sleep(0.05)
-        if unregister and self._dialect is not None:
+        if unregister and self._dialect is not None and not self._loop_dead:
             try:
                 await self._rpc(
                     self._transport.pick(), "unregister_kv_cache_engine_driven_context",
@@ -499,8 +532,12 @@ class AsyncKVContext:
         try:
             reply = await conn.request(op, self.dialect.op_id(op), payloads, timeout=remaining,
                                        on_late=on_late, late_window=CLEANUP_TIMEOUT)
+            self._loop_dead = False
             return reply.result()
         except ServerError as exc:
+            if self._loop_dead and isinstance(exc, ServerTimeoutError):
+                exc.message += (" (the server's ZMQ request loop is unresponsive while its HTTP "
+                                "API reports healthy; restart the server)")
             if exc.op is None:
                 exc.op = op
             if exc.server is None:

@@ -276,6 +276,11 @@ class Transport:
         self._rr = itertools.count()
 
     @property
+    def zmq_context(self) -> zmq.asyncio.Context:
+        """The ZMQ context the sockets live in (for short-lived probe sockets)."""
+        return self._ctx
+
+    @property
     def connections(self) -> Sequence[Connection]:
         """All connections of the pool."""
         return self._conns

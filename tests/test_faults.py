@@ -248,3 +248,33 @@ async def test_random_cancellation_leaves_nothing_behind(server: LocalServer) ->
             if out is not None:
                 assert same_bits(out, data[i][:, :, : out.shape[2]])
     assert_no_leaks(server)
+
+
+async def test_dead_request_loop_is_diagnosed(server_factory: Callable[..., LocalServer]) -> None:
+    """A 0.5.2 server's ZMQ loop dies on a string op (which lmkv_async never sends) while
+    HTTP stays healthy: the context says so instead of reporting bare timeouts."""
+    import httpx
+    import zmq
+
+    server = server_factory("0.5.2", private=True)
+    async with lmkv.connect(server.url, server.http_url, "deadloop", layout=LAYOUT, timeout=2,
+                            heartbeat_interval=0.3) as ctx:
+        toks = tokens_for(ctx.chunk_size)
+        assert await ctx.lookup(toks) == 0
+        zctx = zmq.Context()
+        killer = zctx.socket(zmq.DEALER)
+        killer.connect(server.url)
+        killer.send_multipart([b"\x01", b"\xa4noop"])  # msgpack str "noop": fatal on 0.5.2
+        killer.close(linger=2000)  # flush before closing
+        zctx.term()
+        await asyncio.sleep(0.5)
+        with pytest.raises(lmkv.ServerTimeoutError):
+            await ctx.lookup(toks, timeout=1)
+        assert httpx.get(f"{server.http_url}/healthcheck").status_code == 200
+        deadline = time.monotonic() + 15
+        while not ctx._loop_dead and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        with pytest.raises(lmkv.ServerTimeoutError, match="request loop is unresponsive"):
+            await ctx.lookup(toks, timeout=1)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5, "aclose must not wait out release deadlines"
