@@ -13,6 +13,7 @@ tensor made by ``torch.frombuffer`` holds a reference to its buffer object.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -21,10 +22,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ._libc import MADV_HUGEPAGE, MADV_POPULATE_WRITE, madvise
+
 __all__ = ["OutputPool", "output_pool"]
 
 _HUGE = 2 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module may not name it
 _SMALL = 1 << 20  # below this, torch.empty is as good
 
 
@@ -47,12 +49,14 @@ class _Mapping:
     def __init__(self, size: int) -> None:
         self.size = size
         self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE):
-            if advice is not None:
-                try:
-                    self.mm.madvise(advice)
-                except OSError:  # no THP / old kernel: correct, just slower
-                    pass
+        # ctypes, not mmap.madvise: the pre-fault takes a while and must not hold
+        # the GIL (it would stall the event loop). A failed advice (no THP, an old
+        # kernel) leaves the memory correct, just slower to fill.
+        view = ctypes.c_char.from_buffer(self.mm)
+        address = ctypes.addressof(view)
+        del view  # release the buffer export: is_free() counts references
+        madvise(address, size, MADV_HUGEPAGE)
+        madvise(address, size, MADV_POPULATE_WRITE)
 
     def is_free(self) -> bool:
         # Free when only self.mm (+ getrefcount's own argument) refers to the mmap:

@@ -10,33 +10,25 @@ first transfer does not pay ~2 µs per 4 KiB page.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
+from ._libc import (
+    MADV_POPULATE_READ,
+    MADV_POPULATE_WRITE,
+    MADV_WILLNEED,
+    MAP_FAILED,
+    MAP_SHARED,
+    PROT_READ,
+    PROT_WRITE,
+    libc,
+    madvise,
+)
 from .copy import Region
 
 __all__ = ["PoolMapping"]
 
 log = logging.getLogger("lmkv_async.shm")
-
-_PROT_READ, _PROT_WRITE = 1, 2
-_MAP_SHARED = 1
-_MADV_WILLNEED = 3
-_MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-)
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
 
 class PoolMapping:
     """A read-write mapping of the server's whole SHM pool."""
@@ -54,8 +46,8 @@ class PoolMapping:
             self.inode = (info.st_dev, info.st_ino)
             if actual < size:
                 raise OSError(f"SHM segment {self.path} has {actual} bytes, server said {size}")
-            addr = _libc.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
-            if addr is None or addr == _MAP_FAILED:
+            addr = libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            if addr is None or addr == MAP_FAILED:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap of {self.path} failed: {os.strerror(err)}")
         finally:
@@ -81,12 +73,12 @@ class PoolMapping:
 
     def populate(self) -> str:
         """Pre-fault the mapping's pages (blocking); returns the method that worked."""
-        for advice, label in ((_MADV_POPULATE_WRITE, "populate-write"),
-                              (_MADV_POPULATE_READ, "populate-read")):
-            if _libc.madvise(self.address, self.size, advice) == 0:
+        for advice, label in ((MADV_POPULATE_WRITE, "populate-write"),
+                              (MADV_POPULATE_READ, "populate-read")):
+            if madvise(self.address, self.size, advice):
                 return label
         # Old kernels: hint readahead, then touch one byte per page.
-        _libc.madvise(self.address, self.size, _MADV_WILLNEED)
+        madvise(self.address, self.size, MADV_WILLNEED)
         page = os.sysconf("SC_PAGE_SIZE")
         buf = (ctypes.c_char * self.size).from_address(self.address)
         view = memoryview(buf).cast("B")
@@ -97,7 +89,7 @@ class PoolMapping:
         """Unmap (never unlink: the segment belongs to the server)."""
         if not self._closed:
             self._closed = True
-            _libc.munmap(self.address, self.size)
+            libc.munmap(self.address, self.size)
 
     def __del__(self) -> None:  # pragma: no cover - safety net only
         try:
