@@ -203,6 +203,8 @@ def bench(session: nox.Session) -> None:
         session.error("no benchmarks/bench_*.py runner found")
     for runner in runners:
         session.run("python", str(runner), *session.posargs, env=env)
+    # docs/benchmarks.md and docs/benchmarks.png from the result files just written
+    session.run("python", str(ROOT / "benchmarks" / "report.py"), env=env)
 
 
 @nox.session(name="server-envs", python=False)
