@@ -683,8 +683,8 @@ def test_concurrent_callers_share_the_pool() -> None:
 @pytest.mark.skipif(not kc.kernel_available(), reason="C kernel not built")
 def test_thread_count_from_environment() -> None:
     code = "from lmkv_async import copy; print(copy.num_threads())"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "LMKV_COPY_THREADS": "3", "PYTHONPATH": root}
+    # the child imports the same lmkv_async as this process (installed, or via PYTHONPATH)
+    env = {**os.environ, "LMKV_COPY_THREADS": "3"}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )

@@ -184,10 +184,17 @@ def test_registration_shows_cache_context_meta(
     assert_no_leaks(server)
 
 
-def test_sdk_peer_smoke(server: LocalServer, register_engine: Callable[..., Registration]) -> None:
-    """The official-SDK baseline runs against 0.5.6 and returns the stored bytes."""
-    if server.config.version != "0.5.6":
-        pytest.skip("lmcache 0.5.6's SDK only speaks the 0.5.3+ op table")
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "pickle"])
+def test_sdk_peer_smoke(
+    shm: bool,
+    server_factory: Callable[..., LocalServer],
+    register_engine: Callable[..., Registration],
+) -> None:
+    """The official-SDK baseline runs against 0.5.6 and returns the stored bytes.
+
+    (Only 0.5.6: the 0.5.6 SDK speaks the 0.5.3+ op table, which a 0.5.2 server cannot decode.)
+    """
+    server = server_factory("0.5.6", shm=shm)
     model = f"peer-{server.zmq_port}"
     geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}
     reg: Registration = register_engine(
