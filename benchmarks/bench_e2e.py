@@ -246,18 +246,26 @@ def pretouched_out(n: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- registration
 @contextlib.contextmanager
-def registered_engine(server: LocalServer, log_dir: Path) -> Iterator[dict[str, Any]]:
-    """lmcache-driven CPU registration of the benchmark geometry (what the SDK needs).
+def registered_engine(
+    server: LocalServer,
+    log_dir: Path,
+    *,
+    model: str = MODEL,
+    geometry: tuple[int, int, int, int] = (L, NH, HS, BS),
+) -> Iterator[dict[str, Any]]:
+    """lmcache-driven CPU registration of a geometry ``(L, NH, HS, BS)``, bf16 (what the
+    SDK needs to discover its layout). Also used by ``bench_soak.py``.
 
     Same as ``tests/servers.py::registered_engine`` (which needs pytest): runs
     ``tests/server_scripts/register_cpu_engine.py`` with the server's Python,
     waits for ``READY``, and on exit closes its stdin so it unregisters.
     """
     log_path = log_dir / f"register-{server.zmq_port}.log"
+    layers, heads, head_dim, block = geometry
     argv = [
-        server.config.python, str(REGISTER_SCRIPT), "--url", server.url, "--model", MODEL,
-        "--num-layers", str(L), "--num-kv-heads", str(NH), "--head-dim", str(HS),
-        "--block-size", str(BS), "--num-blocks", "16", "--dtype", "bfloat16",
+        server.config.python, str(REGISTER_SCRIPT), "--url", server.url, "--model", model,
+        "--num-layers", str(layers), "--num-kv-heads", str(heads), "--head-dim", str(head_dim),
+        "--block-size", str(block), "--num-blocks", "16", "--dtype", "bfloat16",
         "--heartbeat-interval", "5",
     ]  # fmt: skip
     with open(log_path, "wb") as logf:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from bench_e2e import registered_engine  # noqa: E402  (same directory)
 
 import lmkv_async as lmkv  # noqa: E402
 from lmkv_async.local_server import (  # noqa: E402
@@ -44,7 +45,6 @@ GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat
 LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                        block_size=16)
 T = 512
-REGISTER = ROOT / "tests" / "server_scripts" / "register_cpu_engine.py"
 SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
 
 
@@ -53,33 +53,6 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-@contextlib.contextmanager
-def registration(server: LocalServer) -> Any:
-    """An lmcache-driven registration of the geometry: the SDK discovers its layout from it."""
-    proc = subprocess.Popen(
-        [server.config.python, str(REGISTER), "--url", server.url, "--model", MODEL,
-         "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64", "--block-size", "16",
-         "--num-blocks", "16", "--dtype", "bfloat16"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env=server_env())
-    try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            if raw.startswith(b"READY "):
-                break
-        else:
-            raise RuntimeError("register_cpu_engine.py did not print READY")
-        yield
-    finally:
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def sdk_soak(server: LocalServer, ops: int, threads: int) -> dict[str, Any]:
@@ -155,7 +128,8 @@ async def main() -> int:
         print("no lmcache 0.5.6 server environment (run: nox -s bench)", file=sys.stderr)
         return 2
     cfg = ServerConfig(version="0.5.6", python=python, shm=True, l1_size_gb=6.0)
-    with LocalServer(cfg) as server, registration(server):
+    with (tempfile.TemporaryDirectory() as tmp, LocalServer(cfg) as server,
+          registered_engine(server, Path(tmp), model=MODEL, geometry=(2, 2, 64, 16))):
         mine = await lmkv_soak(server, ops, 64)
         sdk = [sdk_soak(server, ops, threads) for threads in (1, 8)]
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
