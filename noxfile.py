@@ -42,7 +42,7 @@ nox.options.sessions = ["lint", "tests"]
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = str(ROOT / "constraints" / "ci.txt")
 TORCH = "torch==2.13.0"
-SERVER_VERSIONS = ("0.5.6", "0.5.2")
+SERVER_VERSIONS = ("0.5.6", "0.5.2", "0.5.7rc2")
 SERVER_ENV_ROOT = ROOT / ".nox"
 
 
@@ -95,7 +95,7 @@ def server_envs(session: nox.Session) -> dict[str, str]:
     """Build both server envs; return the env vars that point the library at them."""
     env: dict[str, str] = {}
     for version in SERVER_VERSIONS:
-        env[f"LMKV_LMCACHE_PYTHON_{version.replace('.', '')}"] = server_env_python(session, version)
+        env[f"LMKV_LMCACHE_PYTHON_{version.replace('.', '').upper()}"] = server_env_python(session, version)
     return env
 
 

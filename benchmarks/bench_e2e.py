@@ -92,14 +92,14 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 import lmkv_async as lmkv  # noqa: E402
-from lmkv_async import copy as kcopy  # noqa: E402
+from lmkv_async import kernel as kcopy  # noqa: E402
 
 output_pool: Any
 try:
-    from lmkv_async.buffers import output_pool
+    from lmkv_async.memory import output_pool
 except ImportError:  # older tree: retrieve without out= allocates fresh memory
     output_pool = None
-from lmkv_async.local_server import (  # noqa: E402
+from lmkv_async.testing import (  # noqa: E402
     LocalServer,
     ServerConfig,
     find_server_python,
@@ -239,7 +239,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def pretouched_out(n: int) -> torch.Tensor:
-    out = kcopy.alloc_output((2, L, n, D), DTYPE)
+    out = kernel.alloc_output((2, L, n, D), DTYPE)
     out.view(torch.int16).fill_(0)
     return out
 
@@ -763,7 +763,7 @@ class Bench:
             base_gaps.extend(gaps)
         res["idle"] = {"max": summarize(base_max), "p99": _p(base_gaps, 0.99),
                        "worst": max(base_max)}
-        threads = kcopy.num_threads()
+        threads = kernel.num_threads()
         for T in sizes:
             toks = self.tokens(T)
             await self.ensure_room(T * TOKEN_BYTES)
@@ -778,7 +778,7 @@ class Bench:
                 variants.append(("out=, 1 copy thread", out, False, 1))
             for label, dest, miss, nthreads in variants:
                 maxes, all_gaps, durs = [], [], []
-                kcopy.set_num_threads(nthreads)
+                kernel.set_num_threads(nthreads)
                 try:
                     await self.c.retrieve(toks, out=dest)  # warm-up
                     for _ in range(R):
@@ -800,7 +800,7 @@ class Bench:
                         all_gaps.extend(gaps)
                         durs.append(dt)
                 finally:
-                    kcopy.set_num_threads(threads)
+                    kernel.set_num_threads(threads)
                 res["rows"].append({"T": T, "bytes": T * TOKEN_BYTES, "variant": label,
                                     "diagnostic": miss or nthreads != threads,
                                     "copy_threads": nthreads,
@@ -1228,7 +1228,7 @@ def main() -> int:
                    "flags": "--supported-transfer-mode auto --max-gpu-workers 1 (SHM)"},
         "sdk": bench.sdk_meta,
         "lmkv_async": {"version": lmkv.__version__, "file": lmkv.__file__,
-                       "kernel": kcopy.kernel_available(), "kernel_threads": kcopy.num_threads()},
+                       "kernel": kernel.kernel_available(), "kernel_threads": kernel.num_threads()},
         "machine": {"nproc": os.cpu_count(), "cpu_model": cpu_model(),
                     "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version()},

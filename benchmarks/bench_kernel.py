@@ -36,7 +36,7 @@ except ImportError:  # a source checkout: build in place first (setup.py build_e
 
 import torch  # noqa: E402
 
-from lmkv_async import copy as kc  # noqa: E402
+from lmkv_async import kernel as kc  # noqa: E402
 
 L, NH, HS, BS, C = 32, 8, 128, 16, 256
 DTYPE = torch.bfloat16

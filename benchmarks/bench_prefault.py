@@ -1,6 +1,6 @@
 """Event-loop lag while pre-faulting output memory: mmap.madvise vs ctypes madvise.
 
-``lmkv_async.buffers`` pre-faults pooled output memory in a worker thread. CPython's
+``lmkv_async.memory`` pre-faults pooled output memory in a worker thread. CPython's
 ``mmap.madvise`` holds the GIL for the whole call, so the event loop stalls anyway;
 ctypes releases the GIL around foreign calls. Both are measured side by side, in one run,
 with a 1 ms ticker on the loop.
@@ -24,7 +24,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT))
 
-from lmkv_async._libc import MADV_POPULATE_WRITE, madvise  # noqa: E402
+from lmkv_async.memory import MADV_POPULATE_WRITE, madvise  # noqa: E402
 
 SIZE = 512 << 20
 

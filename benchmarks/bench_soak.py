@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from bench_e2e import registered_engine  # noqa: E402  (same directory)
 
 import lmkv_async as lmkv  # noqa: E402
-from lmkv_async.local_server import (  # noqa: E402
+from lmkv_async.testing import (  # noqa: E402
     LocalServer,
     ServerConfig,
     find_server_python,

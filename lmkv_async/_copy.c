@@ -934,24 +934,6 @@ static PyObject *py_stream_copy(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* madvise(addr, length, advice) -> errno (0 on success); page-aligns addr. */
-static PyObject *py_madvise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    NARGS(3);
-    int64_t a, n, adv;
-    if (arg_i64(args[0], &a) < 0 || arg_i64(args[1], &n) < 0 || arg_i64(args[2], &adv) < 0)
-        return NULL;
-    long page = sysconf(_SC_PAGESIZE);
-    uintptr_t start = (uintptr_t)a & ~(uintptr_t)(page - 1);
-    size_t len = (size_t)((uintptr_t)a + (uintptr_t)n - start);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = madvise((void *)start, len, (int)adv);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(rc == 0 ? 0 : errno);
-}
-
 static PyObject *py_num_threads(PyObject *self, PyObject *noargs)
 {
     (void)self;
@@ -996,8 +978,6 @@ static PyMethodDef methods[] = {
      "Copy between a paged HND cache and a dense tensor or chunk objects."},
     {"stream_copy", (PyCFunction)(void (*)(void))py_stream_copy, METH_FASTCALL,
      "Contiguous copy with streaming stores."},
-    {"madvise", (PyCFunction)(void (*)(void))py_madvise, METH_FASTCALL,
-     "madvise(addr, length, advice) -> errno."},
     {"num_threads", py_num_threads, METH_NOARGS, "Threads used for a large copy."},
     {"set_num_threads", py_set_num_threads, METH_O, "Set threads (incl. caller)."},
     {"set_thresholds", (PyCFunction)(void (*)(void))py_set_thresholds, METH_FASTCALL,

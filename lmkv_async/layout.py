@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInputError, KVCacheError
+from .errors import InvalidInputError, LayoutNotFoundError
 
 __all__ = ["SUPPORTED_DTYPES", "KVLayout", "LayoutNotFoundError", "discover_layout"]
 
@@ -19,10 +19,6 @@ SUPPORTED_DTYPES: Mapping[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _BY_NAME = {name: dtype for dtype, name in SUPPORTED_DTYPES.items()}
-
-
-class LayoutNotFoundError(KVCacheError):
-    """``layout=None`` but the server has no layout registered for this model."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import ctypes
 import logging
 import os
 
-from ._libc import (
+from .memory import (
     MADV_POPULATE_READ,
     MADV_POPULATE_WRITE,
     MADV_WILLNEED,
@@ -21,10 +21,10 @@ from ._libc import (
     MAP_SHARED,
     PROT_READ,
     PROT_WRITE,
+    Region,
     libc,
     madvise,
 )
-from .copy import Region
 
 __all__ = ["PoolMapping"]
 

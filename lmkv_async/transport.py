@@ -5,6 +5,15 @@ out or is cancelled is removed from the pending map at once. When the peer goes
 away (a socket monitor reports the disconnect) every pending request fails with
 :class:`ServerUnavailableError` right away instead of waiting out its deadline.
 
+A lost connection gets one reconnect grace (:data:`RECONNECT_GRACE`), counted
+from the moment the loss was seen: every request on that connection, and every
+later step of a multi-RPC operation, fails once the grace since the disconnect
+has passed. The grace does not restart per request.
+
+Requests are :class:`~lmkv_async.wire.requests.Request` objects built in
+``wire/``; this module adds the uid and moves frames. A second transport (gRPC)
+would take the same objects.
+
 The server runs prepare/commit of one socket identity on one worker thread in
 FIFO order, so a context may hold a small pool of sockets (``Transport``) and
 run each operation's RPC sequence on one of them (``Connection``).
@@ -28,8 +37,11 @@ from .errors import (
     ProtocolError,
     ServerTimeoutError,
     ServerUnavailableError,
+    from_zmq_error,
+    with_context,
 )
-from .wire.frames import Reply, decode_reply, encode_request, pack
+from .wire.frames import Reply, decode_reply, encode_request
+from .wire.requests import Request
 
 __all__ = ["Connection", "Transport"]
 
@@ -75,6 +87,9 @@ class Connection:
         self._uids = itertools.count(1)
         self._connected = asyncio.Event()
         self._closed = False
+        #: monotonic time since when the socket has had no live connection (set at
+        #: start and at each disconnect); the reconnect grace counts from here.
+        self._down_since = time.monotonic()
         #: incremented on every (re)connect; a change means the peer may be new.
         self.generation = 0
         self._reader: asyncio.Task[None] | None = None
@@ -95,8 +110,23 @@ class Connection:
         """Whether the socket currently has a live TCP connection."""
         return self._connected.is_set()
 
+    def grace_left(self) -> float:
+        """Seconds of reconnect grace left (0 when connected or when it ran out)."""
+        if self._connected.is_set():
+            return 0.0
+        return max(0.0, RECONNECT_GRACE - (time.monotonic() - self._down_since))
+
+    async def wait_usable(self, timeout: float) -> bool:
+        """Connected, or waits for a reconnect within both ``timeout`` and what is
+        left of the grace since the connection was lost."""
+        if self._connected.is_set():
+            return True
+        left = min(timeout, self.grace_left())
+        return left > 0 and await self.wait_connected(left)
+
     def start(self) -> None:
         """Connect and start the reader and monitor tasks."""
+        self._down_since = time.monotonic()
         self._sock.connect(self.url)
         self._reader = asyncio.create_task(self._read_loop(), name=f"lmkv-reader-{self.index}")
         self._watcher = asyncio.create_task(self._watch_loop(), name=f"lmkv-monitor-{self.index}")
@@ -120,8 +150,10 @@ class Connection:
                     self.generation += 1
                     self._connected.set()
                 elif event == zmq.EVENT_DISCONNECTED:
+                    if self._connected.is_set():
+                        self._down_since = time.monotonic()
                     self._connected.clear()
-                    self._fail_all(ServerUnavailableError("server disconnected", server=self.url))
+                    self._fail_all(ServerUnavailableError, "server disconnected")
         except (asyncio.CancelledError, zmq.ZMQError):
             return
 
@@ -168,39 +200,41 @@ class Connection:
             return
         pending.future.set_result(reply)
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, kind: type[ServerUnavailableError | ClosedError], message: str) -> None:
+        """Fail every pending request, each with its own error naming its op."""
         for key, pending in list(self._pending.items()):
             if pending.late is not None:
                 del self._pending[key]  # the peer that owed this reply is gone
             elif not pending.future.done():
+                exc = (kind(message) if kind is ClosedError
+                       else ServerUnavailableError(message, op=pending.op, server=self.url))
                 pending.future.set_exception(exc)
 
     async def request(
         self,
-        op: str,
-        op_id: int,
-        payloads: Sequence[bytes],
+        req: Request,
         *,
         timeout: float,
         on_late: LateHandler | None = None,
         late_window: float = 0.0,
+        request_id: str | None = None,
     ) -> Reply:
         """Send one request and await its reply within ``timeout`` seconds.
 
         With ``on_late``, a request that times out stays registered for
         ``late_window`` more seconds and a reply arriving then is handed to
         ``on_late``: a ``prepare_store`` answered late has reserved slots that
-        must still be filled and committed.
+        must still be filled and committed. ``request_id`` only labels errors.
         """
+        op = req.op
         if self._closed:
             raise ClosedError("transport is closed")
         started = time.monotonic()
-        if not self._connected.is_set() and not await self.wait_connected(
-            min(timeout, RECONNECT_GRACE)
-        ):
-            raise ServerUnavailableError("not connected to the server", op=op, server=self.url)
+        if not self._connected.is_set() and not await self.wait_usable(timeout):
+            raise ServerUnavailableError("not connected to the server (reconnect grace over)",
+                                         op=op, server=self.url, request_id=request_id)
         uid = next(self._uids)
-        frames = encode_request(uid, op_id, payloads)
+        frames = encode_request(uid, req.op_id, req.payloads)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reply] = loop.create_future()
         key = frames[0]
@@ -213,6 +247,8 @@ class Connection:
                 self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:  # high-water mark reached: wait for room
                 await self._sock.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:
+                raise from_zmq_error(exc, op=op, server=self.url) from None
             else:
                 # A send through the sync view can consume the socket's edge-triggered
                 # readiness signal, so the reader might not wake: check for replies here.
@@ -222,9 +258,11 @@ class Connection:
         except _Expired:
             keep_for_late = on_late is not None and late_window > 0
             raise ServerTimeoutError(
-                "no reply", op=op, server=self.url, timeout=timeout,
+                "no reply", op=op, server=self.url, request_id=request_id, timeout=timeout,
                 elapsed=time.monotonic() - started,
             ) from None
+        except ServerUnavailableError as exc:
+            raise with_context(exc, op=op, request_id=request_id) from None
         finally:
             timer.cancel()
             if keep_for_late and key in self._pending:
@@ -233,9 +271,9 @@ class Connection:
             else:
                 self._pending.pop(key, None)
 
-    async def probe(self, op_id: int, *, timeout: float) -> object:
-        """Send an op with no payload and return its decoded result (for detection)."""
-        reply = await self.request("probe", op_id, (), timeout=timeout)
+    async def probe(self, req: Request, *, timeout: float) -> object:
+        """Send a detection request and return its decoded result."""
+        reply = await self.request(req, timeout=timeout)
         return reply.result()
 
     def close(self) -> None:
@@ -243,7 +281,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
-        self._fail_all(ClosedError("transport closed"))
+        self._fail_all(ClosedError, "transport closed")
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
@@ -300,6 +338,11 @@ class Transport:
         results = await asyncio.gather(*(c.wait_connected(timeout) for c in self._conns))
         return all(results)
 
+    async def wait_usable(self, timeout: float) -> bool:
+        """Every socket connected, waiting at most ``timeout`` and each one's grace."""
+        results = await asyncio.gather(*(c.wait_usable(timeout) for c in self._conns))
+        return all(results)
+
     def pick(self) -> Connection:
         """The least busy connected socket (round-robin among ties)."""
         if len(self._conns) == 1:
@@ -314,8 +357,3 @@ class Transport:
         for conn in self._conns:
             conn.close()
         self._ctx.destroy(linger=0)
-
-
-def encode_args(*args: object) -> list[bytes]:
-    """Encode plain arguments as payload frames."""
-    return [pack(a) for a in args]

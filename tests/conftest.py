@@ -53,7 +53,7 @@ from servers import (  # noqa: E402
 )
 
 import lmkv_async  # noqa: E402
-from lmkv_async.local_server import LocalServer, find_server_python  # noqa: E402
+from lmkv_async.testing import LocalServer, find_server_python  # noqa: E402
 
 _REPO = _HERE.parent
 

@@ -12,7 +12,7 @@ against the installed ``lmkv_async``).
 * :func:`assert_no_leaks` checks ``/status`` for sessions, locks and
   engine-driven registrations left behind.
 
-Server interpreters come from :func:`lmkv_async.local_server.find_server_python`
+Server interpreters come from :func:`lmkv_async.testing.find_server_python`
 (``$LMKV_LMCACHE_PYTHON_056`` / ``_052`` or ``.nox/lmcache-server-0XY``). A
 missing one fails the tests that need it, unless
 ``LMKV_ALLOW_MISSING_SERVERS=1``, in which case they are skipped.
@@ -34,14 +34,16 @@ from typing import Any
 
 import pytest
 
-from lmkv_async.local_server import LocalServer, ServerConfig, find_server_python, server_env
+from lmkv_async.testing import LocalServer, ServerConfig, find_server_python, server_env
 
 HERE = Path(__file__).resolve().parent
 REGISTER_SCRIPT = HERE / "server_scripts" / "register_cpu_engine.py"
 
-VERSIONS = ("0.5.2", "0.5.6")
+VERSIONS = ("0.5.2", "0.5.6", "0.5.7rc2")
 #: ids of the parametrized ``server`` fixture
-SERVER_IDS = ("0.5.2-shm", "0.5.2-pickle", "0.5.6-shm", "0.5.6-pickle")
+SERVER_IDS = (
+    "0.5.2-shm", "0.5.2-pickle", "0.5.6-shm", "0.5.6-pickle", "0.5.7rc2-shm", "0.5.7rc2-pickle",
+)
 
 #: Shared servers kept running at once, besides the one the current test pins.
 MAX_SHARED_SERVERS = int(os.environ.get("LMKV_MAX_SHARED_SERVERS", "2"))

@@ -11,7 +11,7 @@ from servers import assert_no_leaks
 from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
-from lmkv_async.local_server import LocalServer
+from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ import torch
 from servers import VERSIONS, assert_no_leaks
 
 import lmkv_async as lmkv
-from lmkv_async.local_server import LocalServer
+from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
 
@@ -311,7 +311,7 @@ def test_restricted_unpickler_rejects_code() -> None:
     import io
     import os
 
-    from lmkv_async.pickle_codec import dumps_tensors, loads_tensors
+    from lmkv_async.wire.tensors import dumps_tensors, loads_tensors
 
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:

@@ -12,14 +12,14 @@ import pytest
 import lmkv_async
 import lmkv_async.copy
 import lmkv_async.demo
-import lmkv_async.local_server
+import lmkv_async.testing
 
 ROOT = Path(__file__).resolve().parent.parent
 API_MD = ROOT / "docs" / "api.md"
 README = ROOT / "README.md"
 
 #: Modules whose ``__all__`` is public API, documented in docs/api.md and held to docstrings.
-DOCUMENTED = (lmkv_async, lmkv_async.copy, lmkv_async.local_server)
+DOCUMENTED = (lmkv_async, lmkv_async.copy, lmkv_async.testing)
 #: Plus the demo's entry point, for docstrings only.
 WITH_DOCSTRINGS = (*DOCUMENTED, lmkv_async.demo)
 

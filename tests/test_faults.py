@@ -14,7 +14,7 @@ from servers import VERSIONS, assert_no_leaks
 from test_context import LAYOUT, random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
-from lmkv_async.local_server import LocalServer
+from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
 
@@ -272,7 +272,7 @@ async def test_dead_request_loop_is_diagnosed(server_factory: Callable[..., Loca
             await ctx.lookup(toks, timeout=1)
         assert httpx.get(f"{server.http_url}/healthcheck").status_code == 200
         deadline = time.monotonic() + 15
-        while not ctx._loop_dead and time.monotonic() < deadline:
+        while not ctx._s.loop_dead and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         with pytest.raises(lmkv.ServerTimeoutError, match="request loop is unresponsive"):
             await ctx.lookup(toks, timeout=1)

@@ -53,7 +53,7 @@ from servers import assert_no_leaks
 from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
-import lmkv_async.context as lmkv_context
+import lmkv_async._session as lmkv_session
 import lmkv_async.transport as lmkv_transport
 from lmkv_async.wire import DIALECT_056
 
@@ -76,7 +76,7 @@ OUT_FILL = 0x5A5A5A5A                      # int32 pattern for caller buffers
 TIMEOUT = 3.0                              # context default deadline
 SHORT = 0.5                                # per-call deadline for the silent cases
 SLACK = 0.75                               # allowed lateness on a 2-core box
-CLEANUP = 2.0                              # lmkv_async.context.CLEANUP_TIMEOUT in this module
+CLEANUP = 2.0                              # lmkv_async._session.CLEANUP_TIMEOUT in this module
 
 _NONE = object()  # handler result meaning "two-frame reply"
 
@@ -469,7 +469,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(autouse=True)
 def _short_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
     # Release steps and late-reply windows wait CLEANUP_TIMEOUT (30 s); keep tests short.
-    monkeypatch.setattr(lmkv_context, "CLEANUP_TIMEOUT", CLEANUP)
+    monkeypatch.setattr(lmkv_session, "CLEANUP_TIMEOUT", CLEANUP)
 
 
 def _assert_int_ops(fake: FakeLMCache) -> None:

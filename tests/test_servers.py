@@ -20,7 +20,7 @@ from servers import (
     server_python,
 )
 
-from lmkv_async.local_server import LocalServer, ServerConfig, server_env
+from lmkv_async.testing import LocalServer, ServerConfig, server_env
 
 REPO = Path(__file__).resolve().parent.parent
 SDK_PEER = REPO / "benchmarks" / "sdk_peer.py"

@@ -58,12 +58,12 @@ def test_key_encoding_matches_appendix_a_byte_for_byte() -> None:
         "af726571756573745f636f6e66696773" "c0"
         "ae6e756d5f6b765f72656164657273" "01"
     )
-    enc = KeyEncoder("m", 1, [1, 2, 3])
+    enc = KeyEncoder(DIALECT_056, "m", 1, [1, 2, 3])
     assert enc.encode(prefix_len=3, start=0, end=256, request_id="r", worker_id=0) == expected
 
 
 def test_lookup_key_has_nil_worker_and_decodes_as_map() -> None:
-    enc = KeyEncoder("model", 1, list(range(600)), "tenant")
+    enc = KeyEncoder(DIALECT_056, "model", 1, list(range(600)), "tenant")
     frame = enc.encode(prefix_len=512, start=0, end=512, request_id="x", worker_id=None)
     decoded = msgpack.unpackb(frame)
     assert decoded["worker_id"] is None
@@ -87,11 +87,14 @@ def test_op_tables_match_compat_section_12() -> None:
                                                      21, 22, 24]
 
 
-def test_string_ops_are_never_encoded() -> None:
-    with pytest.raises(TypeError):
-        encode_request(1, "noop", [])  # type: ignore[arg-type]
+def test_string_ops_only_from_dialects_that_name_them() -> None:
+    # A string op kills a <= 0.5.5 request loop: only 0.5.6+ dialects hand one out.
     with pytest.raises(TypeError):
         encode_request(1, True, [])
+    with pytest.raises(KeyError):
+        DIALECT_052.op_id("subscribe_kv_events")
+    assert DIALECT_056.op_id("subscribe_kv_events") == "subscribe_kv_events"
+    assert all(isinstance(DIALECT_052.op_id(op), int) for op in DIALECT_052.op_ids)
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,20 @@
 """Sans-IO core of the LMCache MP protocol: bytes in, bytes out, no sockets.
 
-* :mod:`.dialect`  - op-id tables per server release and version detection
+* :mod:`.dialect`  - per-release wire facts, capabilities, the version policy
 * :mod:`.frames`   - request/reply frame encoding and decoding
 * :mod:`.keys`     - ``IPCCacheServerKey`` and registration payload encoding
-* :mod:`.messages` - typed, validated views of replies (slots, prepare results)
+* :mod:`.requests` - one builder per operation: the exact frames it sends
+* :mod:`.replies`  - typed, validated views of replies (slots, prepare results)
+* :mod:`.tensors`  - inline tensor data: pickle (<= 0.5.6) and the 0.5.7 envelope
+
+Only this package imports msgpack or assembles payload frames.
 """
 
-from .dialect import DIALECT_052, DIALECT_056, Dialect
+from . import requests
+from .dialect import DIALECT_052, DIALECT_056, DIALECT_057, Dialect
 from .frames import NO_RESULT, Reply, decode_reply, encode_request, pack
 from .keys import KeyEncoder, RegisterPayload, encode_register
-from .messages import (
+from .replies import (
     PrepareRetrieve,
     PrepareStore,
     RegisterReply,
@@ -19,10 +24,12 @@ from .messages import (
     parse_prepare_store,
     parse_register,
 )
+from .requests import Request
 
 __all__ = [
     "DIALECT_052",
     "DIALECT_056",
+    "DIALECT_057",
     "NO_RESULT",
     "Dialect",
     "KeyEncoder",
@@ -31,6 +38,7 @@ __all__ = [
     "RegisterPayload",
     "RegisterReply",
     "Reply",
+    "Request",
     "Slot",
     "SlotSpec",
     "decode_reply",
@@ -40,4 +48,5 @@ __all__ = [
     "parse_prepare_retrieve",
     "parse_prepare_store",
     "parse_register",
+    "requests",
 ]

@@ -44,13 +44,17 @@ def pack(obj: object) -> bytes:
     return data
 
 
-def encode_request(uid: int, op_id: int, payloads: Sequence[bytes]) -> list[bytes]:
-    """Frames of one request. ``payloads`` are already-encoded argument frames."""
+def encode_request(uid: int, op_id: int | str, payloads: Sequence[bytes]) -> list[bytes]:
+    """Frames of one request. ``payloads`` are already-encoded argument frames.
+
+    ``op_id`` is an integer id from the server's dialect, or an op name for the
+    few ops that exist only by name on releases that accept names (a string op
+    kills a <= 0.5.5 server's request loop, so only a dialect may hand one out).
+    """
     if uid < 0:
         raise ValueError("uid must be a non-negative int (the official client decodes it as int)")
-    if isinstance(op_id, bool) or not isinstance(op_id, int):
-        # A string op kills a <= 0.5.5 server's request loop; never send one.
-        raise TypeError("op must be an integer id from the server's dialect")
+    if isinstance(op_id, bool) or not isinstance(op_id, (int, str)):
+        raise TypeError("op must be an integer id (or a name) from the server's dialect")
     return [pack(uid), pack(op_id), *payloads]
 
 

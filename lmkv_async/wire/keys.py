@@ -5,17 +5,23 @@ array form). Portable rules (compat.md §12): always send all 10 fields with
 ``num_kv_readers=1``; ``worker_id`` is nil for lookup/free and an int for
 transfers; ``token_ids`` is the full prefix from position 0.
 
-``token_ids`` dominates the size of every key (1-5 bytes per token) and is resent
-on every RPC of an operation, so :class:`KeyEncoder` packs it once.
+The tokens dominate the size of every key and are resent on every RPC of an
+operation, so :class:`KeyEncoder` packs each prefix once. 0.5.2-0.5.6 take them
+as ``token_ids`` (a msgpack int array, 1-5 bytes per token); 0.5.7 as
+``token_bytes`` (bin, big-endian uint32, 4 bytes per token; compat.md §14.3).
+Both hash the same bytes, so keys name the same objects on every release.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
 
+from .dialect import Dialect
 from .frames import pack
 
 __all__ = [
@@ -33,6 +39,7 @@ _K_MODEL = pack("model_name")
 _K_WS = pack("world_size")
 _K_WID = pack("worker_id")
 _K_TOK = pack("token_ids")
+_K_TOKB = pack("token_bytes")
 _K_START = pack("start")
 _K_END = pack("end")
 _K_RID = pack("request_id")
@@ -48,14 +55,36 @@ def _pack_token_array(tokens: Sequence[int]) -> bytes:
     return data
 
 
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as big-endian uint32 bytes (each must be in ``[0, 2**32)``)."""
+    arr = array("I", tokens)  # "I" is 4 bytes on every Linux ABI we run on
+    if sys.byteorder == "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _pack_token_bytes(tokens: Sequence[int]) -> bytes:
+    data: bytes = msgpack.packb(token_bytes(tokens), use_bin_type=True)
+    return data
+
+
 class KeyEncoder:
     """Encodes keys for one token sequence; token prefixes are packed once each."""
 
-    __slots__ = ("_cache", "_model", "_salt", "_tokens", "_ws")
+    __slots__ = ("_cache", "_field", "_model", "_pack", "_salt", "_tokens", "_ws")
 
     def __init__(
-        self, model_name: str, world_size: int, tokens: Sequence[int], cache_salt: str = ""
+        self,
+        dialect: Dialect,
+        model_name: str,
+        world_size: int,
+        tokens: Sequence[int],
+        cache_salt: str = "",
     ) -> None:
+        if dialect.key_tokens == "token_bytes":
+            self._field, self._pack = _K_TOKB, _pack_token_bytes
+        else:
+            self._field, self._pack = _K_TOK, _pack_token_array
         self._model = pack(model_name)
         self._ws = pack(world_size)
         self._salt = pack(cache_salt)
@@ -65,7 +94,7 @@ class KeyEncoder:
     def _tokens_frame(self, length: int) -> bytes:
         frame = self._cache.get(length)
         if frame is None:
-            frame = _pack_token_array(self._tokens[:length])
+            frame = self._pack(self._tokens[:length])
             self._cache[length] = frame
         return frame
 
@@ -84,7 +113,7 @@ class KeyEncoder:
         worker_id: int | None,
         num_kv_readers: int = 1,
     ) -> bytes:
-        """One key frame with ``token_ids = tokens[:prefix_len]``."""
+        """One key frame carrying ``tokens[:prefix_len]``."""
         return b"".join(
             (
                 _MAP10,
@@ -94,7 +123,7 @@ class KeyEncoder:
                 self._ws,
                 _K_WID,
                 _NIL if worker_id is None else pack(worker_id),
-                _K_TOK,
+                self._field,
                 self._tokens_frame(prefix_len),
                 _K_START,
                 pack(start),

@@ -38,15 +38,12 @@ a write to the paged cache) give an unspecified one of the candidate values.
 from __future__ import annotations
 
 import ctypes
-import functools
 import importlib
-import mmap
 import operator
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
-import anyio.to_thread
 import torch
 from torch import Tensor
 
@@ -56,11 +53,11 @@ from .errors import (
     LayoutMismatchError,
     TransportUnavailableError,
 )
+from .memory import Region, RegionArg
 
 __all__ = [
-    "INLINE_LIMIT",
     "Region",
-    "alloc_output",
+    "RegionArg",
     "chunks_to_dense",
     "chunks_to_paged",
     "dense_to_chunks",
@@ -69,15 +66,10 @@ __all__ = [
     "num_threads",
     "paged_to_chunks",
     "paged_to_dense",
-    "run_copy",
     "set_num_threads",
     "stream_copy",
     "tensor_placements",
 ]
-
-#: Copies smaller than this run inline in :func:`run_copy`; a thread hop costs
-#: more than copying 1 MiB.
-INLINE_LIMIT = 1 << 20
 
 _ext: Any
 try:
@@ -87,18 +79,6 @@ except ImportError:  # not built: the torch fallback serves every call
 
 _ITEMSIZES = (1, 2, 4, 8)
 _ADDR_LIMIT = 1 << 64
-
-
-class Region(NamedTuple):
-    """A mapping ``[address, address + size)`` that chunk ranges must stay inside."""
-
-    address: int
-    size: int
-
-
-#: ``region`` argument: one mapping for all chunks, one per chunk, or ``None``
-#: (the caller vouches for the addresses, e.g. they are its own tensors).
-RegionArg = Region | Sequence[Region] | None
 
 
 def kernel_available() -> bool:
@@ -641,57 +621,3 @@ def stream_copy(dst: Tensor, src: Tensor) -> None:
         _ext.stream_copy(dst.data_ptr(), src.data_ptr(), n)
     elif n:
         dst.view(-1).view(torch.uint8).copy_(src.view(-1).view(torch.uint8))
-
-
-_HUGE = 2 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module may not name it
-
-
-def alloc_output(shape: Sequence[int], dtype: torch.dtype, *, populate: bool = False) -> Tensor:
-    """Allocate an uninitialised CPU tensor that a copy can fill at full speed.
-
-    Writing into fresh ``torch.empty`` memory is bound by 4 KiB page faults
-    (1.5-3 GB/s here).  Results >= 2 MiB get their own anonymous mapping,
-    rounded to 2 MiB and advised ``MADV_HUGEPAGE``, so a first write faults in
-    2 MiB pages (the copy's threads then fault in parallel; measured 4-10x
-    faster end to end than ``torch.empty``).  ``populate=True`` additionally
-    pre-faults with ``MADV_POPULATE_WRITE`` (Linux >= 5.14): the copy itself then
-    never faults, but the single-threaded pre-fault costs about as much, so it
-    only pays when the allocation happens off the critical path.  Advice the
-    kernel lacks is skipped silently.  The mapping is released with the tensor;
-    smaller results use ``torch.empty``.
-    """
-    shape = tuple(int(s) for s in shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = itemsize
-    for s in shape:
-        nbytes *= s
-    if nbytes < _HUGE:
-        return torch.empty(shape, dtype=dtype)
-    mm = mmap.mmap(-1, -(-nbytes // _HUGE) * _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    out = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-    advices = [getattr(mmap, "MADV_HUGEPAGE", None)] + ([_MADV_POPULATE_WRITE] if populate else [])
-    for advice in advices:
-        if advice is None:
-            continue
-        if _ext is not None:  # releases the GIL: a pre-fault takes ~0.1 s per GiB
-            _ext.madvise(out.data_ptr(), nbytes, advice)  # errno ignored, as below
-            continue
-        try:
-            mm.madvise(advice, 0, nbytes)
-        except OSError:  # no THP / POPULATE_WRITE: still correct, just slower
-            pass
-    return out.view(dtype).view(shape)
-
-
-async def run_copy(fn: Callable[..., None], *args: Any, nbytes: int, **kwargs: Any) -> None:
-    """Run ``fn(*args, **kwargs)`` inline when ``nbytes < INLINE_LIMIT``, else in a worker
-    thread via :func:`anyio.to_thread.run_sync` (the C kernel releases the GIL).
-
-    The thread is not abandoned on cancellation: the copy writes into caller
-    memory, so the await only returns once the copy has finished.
-    """
-    if nbytes < INLINE_LIMIT:
-        fn(*args, **kwargs)
-        return
-    await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))

@@ -1,6 +1,6 @@
 """End-to-end demo against a real local lmcache server: ``python -m lmkv_async.demo``.
 
-Starts an lmcache MP server as a child process (``lmkv_async.local_server``,
+Starts an lmcache MP server as a child process (``lmkv_async.testing``,
 ``--supported-transfer-mode auto``, SHM on unless ``--no-shm``), connects with
 an explicit :class:`~lmkv_async.KVLayout`, and runs concurrent stores,
 ``lookup_many``, ``retrieve_many`` (half of them into caller buffers), a
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import lmkv_async as lmkv
-from lmkv_async.local_server import (
+from lmkv_async.testing import (
     KNOWN_VERSIONS,
     LocalServer,
     LocalServerError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lmkv_async.buffers import OutputPool
+from lmkv_async.memory import OutputPool
 
 SHAPE = (2, 4, 1024, 256)  # 4 MiB of bf16
 

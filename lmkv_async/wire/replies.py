@@ -1,4 +1,4 @@
-"""Typed views of the replies on the SDK path, validated (sans-IO).
+"""Typed views of the replies on the SDK path, validated (sans-IO): the one reply module.
 
 Everything here comes from the network, so shapes, dtypes, offsets and lengths
 are checked against what the client registered and mapped before any memory is
@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard, TypeVar, cast
 
+import torch
+
 from ..errors import ProtocolError
 from .frames import NO_RESULT
 
@@ -24,6 +26,8 @@ __all__ = [
     "SlotSpec",
     "as_bool",
     "as_optional_count",
+    "check_chunk_tensors",
+    "has_slots",
     "parse_prepare_retrieve",
     "parse_prepare_store",
     "parse_register",
@@ -57,7 +61,10 @@ class Slot:
 
 @dataclass(frozen=True)
 class RegisterReply:
-    """``{shm_name, pool_size}``; ``shm_name == ""`` means no SHM (pickle)."""
+    """``{shm_name, pool_size}``; ``shm_name == ""`` means no SHM (inline data).
+
+    0.5.7 adds ``null_block_id`` (multi-group caches); it is tolerated and unused.
+    """
 
     shm_name: str
     pool_size: int
@@ -221,3 +228,24 @@ def as_optional_count(result: object, what: str) -> int | None:
     if not _is_int(result) or result < 0:
         raise ProtocolError(f"{what}: expected a chunk count, got {result!r}")
     return result
+
+
+def has_slots(raw: object) -> bool:
+    """Whether a raw ``prepare_*`` reply carries SHM slots (checked before parsing,
+    to tell "SHM server, but our mapping failed" from a malformed reply)."""
+    context = raw.get("context") if isinstance(raw, Mapping) else None
+    return isinstance(context, Mapping) and "slots" in context
+
+
+def check_chunk_tensors(
+    tensors: Sequence[torch.Tensor], count: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """Inline retrieve data must be ``count`` contiguous chunks of the registered layout."""
+    if len(tensors) != count:
+        raise ProtocolError(f"inline reply holds {len(tensors)} chunks, expected {count}",
+                            op="prepare_retrieve")
+    for t in tensors:
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ProtocolError(
+                f"inline chunk {tuple(t.shape)} {t.dtype} does not match the layout "
+                f"{shape} {dtype}", op="prepare_retrieve")

@@ -37,15 +37,12 @@ lmcache); a SIGTERM stop about 2-4 s.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,32 +51,37 @@ from types import TracebackType
 from typing import Any
 
 import httpx
-import msgpack
 import zmq
 
-from lmkv_async.errors import KVCacheError
+from ..errors import ProtocolError
+from ..wire import requests
+from ..wire.frames import decode_reply, encode_request, pack
 
 __all__ = [
+    "KNOWN_VERSIONS",
     "LocalServer",
     "LocalServerError",
     "ServerConfig",
+    "env_var_for",
     "find_server_python",
     "free_port",
     "server_env",
 ]
 
-#: Versions this launcher knows how to start.
-KNOWN_VERSIONS = ("0.5.2", "0.5.6")
+#: Versions this launcher has been tested with (any 0.5.x starts the same way).
+KNOWN_VERSIONS = ("0.5.2", "0.5.6", "0.5.7rc2")
 
 _SHM_POOL_PREFIX = "lmcache_l1_pool_"
 _DEV_SHM = Path("/dev/shm")
 _TRANSFER_MODES = ("auto", "engine_driven", "lmcache_driven")
-# Op 21 is noop on the 0.5.0-0.5.2 table and get_chunk_size on 0.5.3+ (compat.md §11).
-_PROBE_OP = 21
 
 
-class LocalServerError(KVCacheError, RuntimeError):
-    """A local lmcache server could not be started or did not behave."""
+class LocalServerError(RuntimeError):
+    """A local lmcache server could not be started or did not behave.
+
+    Deliberately outside the :class:`~lmkv_async.KVCacheError` tree: it is about
+    the test harness, not about talking to a server.
+    """
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -144,26 +146,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+def env_var_for(version: str) -> str:
+    """The environment variable naming the interpreter for ``version``.
+
+    ``"0.5.6"`` -> ``LMKV_LMCACHE_PYTHON_056``; ``"0.5.7rc2"`` ->
+    ``LMKV_LMCACHE_PYTHON_057RC2``.
+    """
+    return "LMKV_LMCACHE_PYTHON_" + version.replace(".", "").upper()
 
 
 def find_server_python(version: str) -> str | None:
-    """Find the interpreter of an environment with ``lmcache==version``.
+    """The interpreter of an environment with ``lmcache==version``, from the environment.
 
-    Looks at ``$LMKV_LMCACHE_PYTHON_056`` (for ``"0.5.6"``; ``_052`` for
-    ``"0.5.2"``, and so on), then at ``<repo>/.nox/lmcache-server-056/bin/python``
-    and at the same path under the current working directory. Returns
-    ``None`` if nothing usable is found.
+    Reads :func:`env_var_for` (e.g. ``$LMKV_LMCACHE_PYTHON_056``); nothing is
+    guessed from the file system. Returns ``None`` when the variable is unset or
+    does not name an executable.
     """
-    tag = version.replace(".", "")
-    env_value = os.environ.get(f"LMKV_LMCACHE_PYTHON_{tag}")
-    if env_value:
-        return env_value if os.access(env_value, os.X_OK) else None
-    for base in (_repo_root(), Path.cwd()):
-        candidate = base / ".nox" / f"lmcache-server-{tag}" / "bin" / "python"
-        if candidate.exists() and os.access(candidate, os.X_OK):
-            return str(candidate)
+    value = os.environ.get(env_var_for(version))
+    if value and os.access(value, os.X_OK):
+        return value
     return None
 
 
@@ -188,20 +189,6 @@ def server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
         }
     )
     return env
-
-
-# Every running server started by this process (strong refs), so exit stops them.
-_LIVE: set[LocalServer] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _stop_all_at_exit() -> None:
-    with _LIVE_LOCK:
-        servers = list(_LIVE)
-    for server in servers:
-        with contextlib.suppress(Exception):
-            server.stop()
 
 
 class LocalServer:
@@ -333,7 +320,7 @@ class LocalServer:
         argv = self.command()
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== lmkv_async.local_server: {' '.join(argv)}\n".encode())
+            log.write(f"\n=== lmkv_async.testing: {' '.join(argv)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
                 argv,
@@ -343,8 +330,6 @@ class LocalServer:
                 env=server_env(),
                 close_fds=True,
             )
-        with _LIVE_LOCK:
-            _LIVE.add(self)
         try:
             self._wait_ready(t0 + timeout)
         except BaseException:
@@ -394,22 +379,27 @@ class LocalServer:
         return self._zmq_probe(timeout)
 
     def _zmq_probe(self, timeout: float) -> object:
-        """Send op 21 on a fresh DEALER; return the decoded reply or ``None``."""
+        """Send the detection probe on a fresh DEALER; return its result or ``None``."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        uid = int.from_bytes(os.urandom(4), "little")
+        request = requests.probe()
         try:
             sock.connect(self.url)
-            uid = int.from_bytes(os.urandom(4), "little")
-            sock.send_multipart([msgpack.packb(uid), msgpack.packb(_PROBE_OP)])
+            sock.send_multipart(encode_request(uid, request.op_id, request.payloads))
             if not sock.poll(int(timeout * 1000), zmq.POLLIN):
                 return None
             frames = sock.recv_multipart()
         finally:
             sock.close(linger=0)
-        if len(frames) < 3 or msgpack.unpackb(frames[0]) != uid:
+        try:
+            reply = decode_reply(frames, expected_op=pack(request.op_id))
+            result = reply.result()
+        except ProtocolError:
             return None
-        result: object = msgpack.unpackb(frames[2])
+        if reply.uid_frame != pack(uid):
+            return None
         if result == "OK" or (isinstance(result, int) and not isinstance(result, bool)):
             return result
         return None
@@ -436,8 +426,6 @@ class LocalServer:
                 proc.wait()
         self._proc = None
         self._remove_segment()
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
 
     def kill(self) -> None:
         """SIGKILL the server and reap it.
@@ -534,12 +522,3 @@ class LocalServer:
         )
 
 
-if __name__ == "__main__":  # pragma: no cover - manual smoke run
-    _v = sys.argv[1] if len(sys.argv) > 1 else "0.5.6"
-    _py = find_server_python(_v)
-    if _py is None:
-        sys.exit(f"no server python for {_v}")
-    _srv = LocalServer(ServerConfig(version=_v, python=_py))
-    _srv.start()
-    print(_srv, f"started in {_srv.start_seconds:.2f}s", _srv.reported_version, _srv.probe_reply)
-    _srv.stop()

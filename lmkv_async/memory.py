@@ -1,30 +1,105 @@
-"""Pooled, pre-faulted output memory for ``retrieve`` without ``out=``.
+"""Process memory: libc mapping calls, huge-page and pre-fault advice, the output pool,
+``Region`` bounds, and the one helper that offloads blocking work to a thread.
 
-Writing into freshly allocated memory costs a page fault per 4 KiB page, which on
-this class of machine caps a copy at a few GB/s, far below memcpy speed. Results
-of ``retrieve`` are therefore carved from anonymous mappings that are advised for
-transparent huge pages and pre-faulted once, and a mapping goes back to the pool
-as soon as the last tensor (or view) using it is freed, so steady-state retrieves
-write into memory that is already mapped.
-
-A mapping is known to be free when nothing but the pool refers to it: each
-tensor made by ``torch.frombuffer`` holds a reference to its buffer object.
+* libc calls go through ctypes, which releases the GIL around foreign calls
+  (``mmap.madvise`` holds it: pre-faulting 1 GiB through it stalls the event loop
+  for ~0.4 s even from a worker thread). This is the only madvise path.
+* Writing into freshly allocated memory costs a page fault per 4 KiB page, which
+  on this class of machine caps a copy at a few GB/s. Results of ``retrieve``
+  are therefore carved from anonymous mappings advised for transparent huge
+  pages and pre-faulted once; a mapping goes back to the pool as soon as the
+  last tensor (or view) using it is freed. A mapping is known to be free when
+  nothing but the pool refers to it: each tensor made by ``torch.frombuffer``
+  holds a reference to its buffer object.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import mmap
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
+import anyio.to_thread
 import torch
 
-from ._libc import MADV_HUGEPAGE, MADV_POPULATE_WRITE, madvise
+__all__ = [
+    "INLINE_LIMIT",
+    "MADV_HUGEPAGE",
+    "MADV_POPULATE_READ",
+    "MADV_POPULATE_WRITE",
+    "MADV_WILLNEED",
+    "MAP_FAILED",
+    "MAP_SHARED",
+    "PROT_READ",
+    "PROT_WRITE",
+    "OutputPool",
+    "Region",
+    "RegionArg",
+    "libc",
+    "madvise",
+    "offload",
+    "output_pool",
+]
 
-__all__ = ["OutputPool", "output_pool"]
+T = TypeVar("T")
+
+PROT_READ, PROT_WRITE = 1, 2
+MAP_SHARED = 1
+MADV_WILLNEED = 3
+MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+)
+libc.munmap.restype = ctypes.c_int
+libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+libc.madvise.restype = ctypes.c_int
+libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def madvise(address: int, length: int, advice: int) -> bool:
+    """``madvise(2)`` without holding the GIL; True on success."""
+    return int(libc.madvise(address, length, advice)) == 0
+
+
+class Region(NamedTuple):
+    """A mapping ``[address, address + size)`` that chunk ranges must stay inside."""
+
+    address: int
+    size: int
+
+
+#: ``region`` argument of the kernel: one mapping for all chunks, one per chunk, or
+#: ``None`` (the caller vouches for the addresses, e.g. they are its own tensors).
+RegionArg = Region | Sequence[Region] | None
+
+#: Work smaller than this runs inline in :func:`offload`; a thread hop costs more
+#: than copying 1 MiB.
+INLINE_LIMIT = 1 << 20
+
+
+async def offload(fn: Callable[..., T], *args: Any, nbytes: int, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` inline when ``nbytes < INLINE_LIMIT``, else in a worker
+    thread (the C kernel and pickling release the GIL for most of their work).
+
+    The thread is not abandoned on cancellation: a copy writes into caller
+    memory, so the await only returns once the work has finished.
+    """
+    if nbytes < INLINE_LIMIT:
+        return fn(*args, **kwargs)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
 
 _HUGE = 2 << 20
 _SMALL = 1 << 20  # below this, torch.empty is as good

@@ -1,0 +1,359 @@
+"""The operation sequences: lookup, retrieve, store, over one :class:`~._session.Session`.
+
+Each operation is a fixed sequence of RPCs (protocol reference §6.4)::
+
+    store    : prepare_store -> copy into slots (SHM) / inline data -> commit_store
+               -> end_session
+    lookup   : lookup -> prefetch status -> free_lookup_locks (on a hit) -> end_session
+    retrieve : lookup -> prefetch status -> prepare_retrieve -> copy out -> commit_retrieve
+               -> end_session
+
+What each step reserved on the server is released on every exit path, by the
+rules in :mod:`._release`. A sequence runs in its own task that the caller
+awaits through ``asyncio.shield`` (:meth:`Session.run`): if the caller is
+cancelled, the task goes on to its release steps, and a store whose slots were
+handed out still fills and commits them, because an unfilled reservation can
+later be published as a garbage entry (protocol reference §6.6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import _session, kernel
+from ._release import Prepared, lookup_release, retrieve_release
+from ._session import OpState, Session
+from .errors import (
+    KVCacheError,
+    ProtocolError,
+    TransportUnavailableError,
+)
+from .memory import RegionArg, offload
+from .transport import Connection
+from .wire import requests
+from .wire.frames import Reply
+from .wire.keys import KeyEncoder
+from .wire.replies import (
+    as_bool,
+    as_optional_count,
+    check_chunk_tensors,
+    has_slots,
+    parse_prepare_retrieve,
+    parse_prepare_store,
+)
+from .wire.tensors import decode_inline, encode_inline
+
+__all__ = ["Sink", "lookup", "retrieve", "store"]
+
+log = logging.getLogger("lmkv_async")
+
+#: Copies chunk objects (placements, bounds) into the caller's destination for ``hit`` chunks.
+Sink = Callable[[int, list[tuple[int, int]], RegionArg], None]
+#: Copies the caller's source into chunk objects at the given placements.
+ToChunks = Callable[[list[tuple[int, int]], RegionArg], None]
+
+
+def _new_request_id(kind: str) -> str:
+    # Fresh per sequence: the server caches chunk hashes per request_id (§5.3).
+    return f"lmkv-{kind}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Seq:
+    """One operation's RPC sequence: its socket, session and how far it got."""
+
+    conn: Connection
+    generation: int  # of conn when the sequence began; release steps need the same peer
+    enc: KeyEncoder
+    rid: str
+    n: int  # full-chunk tokens of the input
+    lookup_sent: bool = False
+    hit: int | None = None
+    retrieve_key: bytes | None = None
+    read_gate: bytes | None = None  # held from prepare_retrieve until commit_retrieve
+
+
+def _seq(s: Session, kind: str, toks: list[int], salt: str, n: int) -> _Seq:
+    conn = s.transport.pick()
+    return _Seq(conn, conn.generation, s.key_encoder(toks, salt), _new_request_id(kind), n)
+
+
+async def _cleanup(s: Session, seq: _Seq, req: requests.Request) -> object:
+    return await s.cleanup_rpc(seq.conn, seq.generation, req, request_id=seq.rid)
+
+
+async def _end_session(s: Session, seq: _Seq) -> None:
+    await _cleanup(s, seq, requests.end_session(s.d, seq.rid))
+
+
+# ---------------------------------------------------------------------- lookup
+async def _prefetch_result(s: Session, seq: _Seq, deadline: float) -> int:
+    """Consume the lookup result (exactly once), awaiting it without sleep-polling.
+
+    L1 prefetches finish at once, so one query nearly always answers; if not,
+    short server-side waits (bounded, since a wait occupies one of the server's
+    normal-pool threads) take over.
+    """
+    count = as_optional_count(
+        await s.rpc(seq.conn, requests.query_prefetch_status(s.d, seq.rid), deadline,
+                    request_id=seq.rid),
+        "query_prefetch_status",
+    )
+    wait = 0.02
+    while count is None:
+        budget = min(wait, max(0.001, deadline - time.monotonic() - 0.05))
+        count = as_optional_count(
+            await s.rpc(seq.conn, requests.wait_prefetch_status(s.d, seq.rid, budget), deadline,
+                        request_id=seq.rid),
+            "wait_prefetch_status",
+        )
+        wait = min(wait * 2, 0.5)
+    return count
+
+
+async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
+    """Send lookup (``start=0``, compat.md §14.4), consume its result; returns hit chunks.
+
+    ``seq`` records how far we got, for the release steps.
+    """
+    C = s.chunk_size
+    key = seq.enc.encode(prefix_len=seq.n, start=0, end=seq.n, request_id=seq.rid,
+                         worker_id=None)
+    seq.lookup_sent = True
+    await s.rpc(seq.conn, requests.lookup(s.d, key, s.layout.world_size), deadline,
+                request_id=seq.rid)
+    hit = await _prefetch_result(s, seq, deadline)
+    if hit > seq.n // C:
+        seq.hit = seq.n // C
+        raise ProtocolError(f"server reports {hit} hit chunks for {seq.n // C} looked up",
+                            op="query_prefetch_status", server=s.url, request_id=seq.rid)
+    seq.hit = hit
+    return hit
+
+
+async def _release_lookup(s: Session, seq: _Seq, *, free_hit: bool) -> None:
+    """Release steps of a lookup (see :func:`._release.lookup_release`)."""
+    C = s.chunk_size
+    plan = lookup_release(lookup_sent=seq.lookup_sent, hit=seq.hit, free_hit=free_hit,
+                          bounded_free=s.d.bounded_free, looked_up_chunks=seq.n // C)
+    free = plan.free
+    if plan.consume:
+        raw = await _cleanup(s, seq, requests.wait_prefetch_status(s.d, seq.rid, 1.0))
+        try:
+            learned = as_optional_count(raw, "wait_prefetch_status") or 0
+        except ProtocolError:
+            learned = 0
+        if free == "learned":
+            free = learned
+    if isinstance(free, int) and free > 0:
+        key = seq.enc.encode(prefix_len=seq.n, start=0, end=free * C, request_id=seq.rid,
+                             worker_id=None)
+        await _cleanup(s, seq, requests.free_lookup_locks(s.d, key, s.layout.world_size))
+    if plan.end_session:
+        await _end_session(s, seq)
+
+
+async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float) -> int:
+    """Cached prefix of ``toks[:n]`` in tokens; leaves no lock behind."""
+
+    async def op(state: OpState) -> int:
+        await s.ensure_registered(deadline)
+        seq = _seq(s, "lookup", toks, salt, n)
+        try:
+            return await _lookup_locked(s, seq, deadline) * s.chunk_size
+        finally:
+            s.release_later(_release_lookup(s, seq, free_hit=True))
+
+    return await s.run(op)
+
+
+async def cached_prefix(s: Session, toks: list[int], salt: str, n: int, deadline: float) -> int:
+    """Hit chunks of ``toks[:n]``, inside an operation (no task of its own)."""
+    seq = _seq(s, "probe", toks, salt, n)
+    try:
+        return await _lookup_locked(s, seq, deadline)
+    finally:
+        s.release_later(_release_lookup(s, seq, free_hit=True))
+
+
+# ---------------------------------------------------------------------- retrieve
+async def retrieve(s: Session, toks: list[int], n: int, salt: str, sink: Sink,
+                   deadline: float) -> int:
+    """lookup -> prepare_retrieve -> sink(chunks) -> commit_retrieve; returns hit chunks."""
+    return await s.run(lambda state: _retrieve_seq(s, state, toks, n, salt, sink, deadline))
+
+
+async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, salt: str,
+                        sink: Sink, deadline: float) -> int:
+    await s.ensure_registered(deadline)
+    C = s.chunk_size
+    seq = _seq(s, "retrieve", toks, salt, n)
+    prepared = Prepared.NONE
+    spec, pool = s.slot_spec, s.pool
+    try:
+        hit = await _lookup_locked(s, seq, deadline)
+        if hit == 0 or state.abandoned:
+            return 0
+        key = seq.enc.encode(prefix_len=hit * C, start=0, end=hit * C, request_id=seq.rid,
+                             worker_id=0)
+        if spec is not None:
+            gate = seq.enc.identity(hit * C)
+            await s.read_gates.acquire(gate, deadline, s.url)
+            seq.read_gate = gate
+        seq.retrieve_key = key
+        prepared = Prepared.SENT
+        raw = await s.rpc(seq.conn, requests.prepare_retrieve(s.d, key, s.instance_id),
+                          deadline, request_id=seq.rid)
+        if spec is None and has_slots(raw):
+            # An SHM server serves retrieves only through its pool, which this
+            # client could not map; commit_retrieve (cleanup) releases the read.
+            prepared = Prepared.SHM
+            raise TransportUnavailableError(
+                "the server serves retrieves only through its SHM pool, which this "
+                f"client could not map (shm_dir={s.shm_dir!r})"
+            )
+        reply = parse_prepare_retrieve(raw, spec, hit)
+        prepared = Prepared.SHM if reply.shm else Prepared.INLINE
+        if not reply.success:
+            # An object went missing under our locks (0.5.2 peers can strip them).
+            log.warning("prepare_retrieve failed for %d chunks; reporting a miss", hit)
+            prepared = Prepared.FAILED
+            return 0
+        if state.abandoned:
+            return 0
+        nbytes = hit * C * s.layout.token_bytes()
+        if reply.shm:
+            assert pool is not None  # spec is set only together with a pool
+            chunks = [(i, pool.address + sl.offset) for i, sl in enumerate(reply.slots)]
+            await offload(sink, hit, chunks, pool.region, nbytes=nbytes)
+        else:
+            tensors = await offload(decode_inline, s.d, reply.data, nbytes=nbytes)
+            check_chunk_tensors(tensors, hit, s.layout.chunk_shape(C), s.layout.dtype)
+            chunks, regions = kernel.tensor_placements(tensors)
+            await offload(sink, hit, chunks, regions, nbytes=nbytes)
+        return hit
+    finally:
+        s.release_later(_release_retrieve(s, seq, prepared))
+
+
+async def _release_retrieve(s: Session, seq: _Seq, prepared: Prepared) -> None:
+    plan = retrieve_release(prepared)
+    try:
+        if plan.commit_retrieve and seq.retrieve_key is not None:
+            await _cleanup(s, seq, requests.commit_retrieve(s.d, seq.retrieve_key,
+                                                            s.instance_id))
+    finally:
+        if seq.read_gate is not None:
+            s.read_gates.release(seq.read_gate)
+    await _release_lookup(s, seq, free_hit=plan.lookup_holds_locks)
+
+
+# ---------------------------------------------------------------------- store
+async def store(s: Session, toks: list[int], total: int, salt: str, to_chunks: ToChunks,
+                to_dense: Callable[[], torch.Tensor], deadline: float) -> int:
+    """Store ``total`` whole chunks of ``toks``; returns the chunks newly written."""
+
+    async def op(state: OpState) -> int:
+        await s.ensure_registered(deadline)
+        if s.mode == "shm":
+            return await _store_shm(s, toks, total, salt, to_chunks, deadline)
+        return await _store_inline(s, toks, total, salt, to_dense, deadline)
+
+    return await s.run(op)
+
+
+async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
+                     to_chunks: ToChunks, deadline: float) -> int:
+    C = s.chunk_size
+    n = total * C
+    seq = _seq(s, "store", toks, salt, n)
+    conn, rid = seq.conn, seq.rid
+    key = seq.enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+    pool, spec = s.pool, s.slot_spec
+
+    async def fill_and_commit(raw: object, commit_deadline: float) -> int:
+        prep = parse_prepare_store(raw, spec, total)
+        if not prep.shm:
+            raise ProtocolError("SHM context got an inline-style prepare_store reply",
+                                op="prepare_store", server=s.url, request_id=rid)
+        if not prep.slots:
+            return 0
+        assert pool is not None
+        chunks = [
+            (i, pool.address + sl.offset)
+            for i, sl in zip(prep.chunk_indices, prep.slots, strict=True)
+        ]
+        nbytes = len(chunks) * C * s.layout.token_bytes()
+        # Every reserved slot is filled completely before commit (§6.6); the
+        # sequence runs on even if the caller is cancelled.
+        await offload(to_chunks, chunks, pool.region, nbytes=nbytes)
+        ok = as_bool(
+            await s.rpc(conn, requests.commit_store(s.d, key, s.instance_id), commit_deadline,
+                        request_id=rid),
+            "commit_store",
+        )
+        return len(prep.slots) if ok else 0
+
+    async def late_store(reply: Reply) -> None:
+        # prepare_store answered after its deadline: the slots are reserved
+        # anyway and an unfilled reservation could later be published (§6.6).
+        try:
+            await fill_and_commit(reply.result(), time.monotonic() + _session.CLEANUP_TIMEOUT)
+        except KVCacheError as exc:
+            log.warning("completing a late prepare_store failed: %s", exc)
+        finally:
+            await _end_session(s, seq)
+
+    def on_late(reply: Reply) -> None:
+        s.track(asyncio.create_task(late_store(reply)))
+
+    try:
+        raw = await s.rpc(conn, requests.prepare_store(s.d, key, s.instance_id), deadline,
+                          on_late=on_late, request_id=rid)
+        return await fill_and_commit(raw, deadline)
+    finally:
+        s.release_later(_end_session(s, seq))
+
+
+async def _store_inline(s: Session, toks: list[int], total: int, salt: str,
+                        to_dense: Callable[[], torch.Tensor], deadline: float) -> int:
+    C = s.chunk_size
+    n = total * C
+    # Skip the cached prefix: an inline commit cannot report what it wrote, and not
+    # encoding cached chunks saves most of the cost of a re-store. (0.5.7 also needs
+    # a tensor for every chunk of [start, end), so start is where the misses begin.)
+    before = await cached_prefix(s, toks, salt, n, deadline)
+    if before >= total:
+        return 0
+    seq = _seq(s, "store", toks, salt, n)
+    key = seq.enc.encode(prefix_len=n, start=before * C, end=n, request_id=seq.rid,
+                         worker_id=0)
+    nbytes = (total - before) * C * s.layout.token_bytes()
+    d = s.d
+
+    def encode() -> bytes:
+        kv = to_dense()
+        return encode_inline(
+            d, [kv[:, :, i * C:(i + 1) * C].contiguous() for i in range(before, total)])
+
+    try:
+        data = await offload(encode, nbytes=nbytes)
+        ok = as_bool(
+            await s.rpc(seq.conn, requests.commit_store(d, key, s.instance_id, data), deadline,
+                        request_id=seq.rid),
+            "commit_store",
+        )
+    finally:
+        s.release_later(_end_session(s, seq))
+    if ok:
+        return total - before
+    # Some chunks hit out-of-memory: count what is there now.
+    after = await cached_prefix(s, toks, salt, n, deadline)
+    return max(0, after - before)
