@@ -3,20 +3,21 @@
     nox -s tests          # the test suite (not soak) against the INSTALLED package + real servers
     nox -s soak           # pytest -m soak
     nox -s lint           # ruff check + mypy --strict lmkv_async
-    nox -s demo           # python -m lmkv_async.demo against real servers
+    nox -s demo           # examples/demo.py against a real server it starts
     nox -s bench          # benchmarks/bench_*.py with the server envs exported
-    nox -s server-envs    # only build/verify the two lmcache server environments
+    nox -s server-envs    # only build/verify the three lmcache server environments
 
-Real lmcache servers run from two dedicated environments, built on first use
+Real lmcache servers run from three dedicated environments, built on first use
 and reused across sessions and runs:
 
-    .nox/lmcache-server-056   torch==2.13.0 + lmcache==0.5.6
-    .nox/lmcache-server-052   torch==2.13.0 + lmcache==0.5.2
+    .nox/lmcache-server-056      torch==2.13.0 + lmcache==0.5.6
+    .nox/lmcache-server-052      torch==2.13.0 + lmcache==0.5.2
+    .nox/lmcache-server-057rc2   torch==2.13.0 + lmcache==0.5.7rc2 (grpc, OpenTelemetry, ...)
 
 (``.installed`` marks a finished build; about 1.5-2 min each from PyPI).
 lmcache is never installed into a library session. Their interpreters are
-exported as ``LMKV_LMCACHE_PYTHON_056`` / ``LMKV_LMCACHE_PYTHON_052``, which
-``lmkv_async.local_server.find_server_python`` reads.
+exported as ``LMKV_LMCACHE_PYTHON_056`` / ``_052`` / ``_057RC2``, which
+``lmkv_async.testing.find_server_python`` reads (nothing else finds them).
 
 torch is always installed as ``torch==2.13.0`` first (the local CPU wheel);
 a bare ``torch`` requirement would pull a multi-GB CUDA build.
@@ -95,7 +96,8 @@ def server_envs(session: nox.Session) -> dict[str, str]:
     """Build both server envs; return the env vars that point the library at them."""
     env: dict[str, str] = {}
     for version in SERVER_VERSIONS:
-        env[f"LMKV_LMCACHE_PYTHON_{version.replace('.', '').upper()}"] = server_env_python(session, version)
+        var = f"LMKV_LMCACHE_PYTHON_{version.replace('.', '').upper()}"
+        env[var] = server_env_python(session, version)
     return env
 
 
@@ -186,11 +188,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(reuse_venv=True)
 def demo(session: nox.Session) -> None:
-    """python -m lmkv_async.demo (it starts its own local servers)."""
+    """examples/demo.py (it starts its own local server; ``-- --version 0.5.7rc2``)."""
     install_package(session)
     env = server_envs(session)
     session.chdir(session.create_tmp())
-    session.run("python", "-P", "-m", "lmkv_async.demo", *session.posargs, env=env)
+    session.run("python", "-P", str(ROOT / "examples" / "demo.py"), *session.posargs, env=env)
 
 
 @nox.session(reuse_venv=True)
@@ -209,7 +211,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="server-envs", python=False)
 def server_envs_session(session: nox.Session) -> None:
-    """Only build (or verify) the two lmcache server environments."""
+    """Only build (or verify) the lmcache server environments."""
     for key, value in server_envs(session).items():
         out = subprocess.run(
             [value, "-c", "import lmcache; print(lmcache.__version__)"],

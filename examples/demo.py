@@ -36,6 +36,7 @@ from lmkv_async.testing import (
     LocalServer,
     LocalServerError,
     ServerConfig,
+    env_var_for,
     find_server_python,
 )
 
@@ -378,9 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="    [%(name)s] %(levelname)s %(message)s")
     python = find_server_python(args.version)
     if python is None:
-        tag = args.version.replace(".", "")
-        print(f"No lmcache {args.version} server environment found "
-              f"(.nox/lmcache-server-{tag} or $LMKV_LMCACHE_PYTHON_{tag}).\n"
+        print(f"No lmcache {args.version} server environment: ${env_var_for(args.version)} "
+              "is not set.\n"
               "Run `nox -s demo`: it builds the server environments and runs this demo.",
               file=sys.stderr)
         return 2

@@ -16,25 +16,29 @@ from . import wire
 from .api import close, lookup, retrieve, store
 from .context import AsyncKVContext, StoreResult, TransportMode, connect
 from .errors import (
+    AuthenticationError,
     ClosedError,
     CopyBoundsError,
     InvalidInputError,
     KVCacheError,
     LayoutMismatchError,
+    LayoutNotFoundError,
     ProtocolError,
     ServerError,
     ServerTimeoutError,
     ServerUnavailableError,
     TransportUnavailableError,
+    UnsupportedOperationError,
     UnsupportedServerError,
 )
 from .fanout import ItemResult
-from .layout import KVLayout, LayoutNotFoundError
+from .layout import KVLayout
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncKVContext",
+    "AuthenticationError",
     "ClosedError",
     "CopyBoundsError",
     "InvalidInputError",
@@ -50,6 +54,7 @@ __all__ = [
     "StoreResult",
     "TransportMode",
     "TransportUnavailableError",
+    "UnsupportedOperationError",
     "UnsupportedServerError",
     "__version__",
     "close",

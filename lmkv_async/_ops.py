@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +78,8 @@ class _Seq:
     hit: int | None = None
     retrieve_key: bytes | None = None
     read_gate: bytes | None = None  # held from prepare_retrieve until commit_retrieve
+    #: when the operation began: its one reconnect grace counts from here or the loss
+    started: float = field(default_factory=time.monotonic)
 
 
 def _seq(s: Session, kind: str, toks: list[int], salt: str, n: int) -> _Seq:
@@ -103,7 +105,7 @@ async def _prefetch_result(s: Session, seq: _Seq, deadline: float) -> int:
     """
     count = as_optional_count(
         await s.rpc(seq.conn, requests.query_prefetch_status(s.d, seq.rid), deadline,
-                    request_id=seq.rid),
+                    request_id=seq.rid, grace_from=seq.started),
         "query_prefetch_status",
     )
     wait = 0.02
@@ -111,7 +113,7 @@ async def _prefetch_result(s: Session, seq: _Seq, deadline: float) -> int:
         budget = min(wait, max(0.001, deadline - time.monotonic() - 0.05))
         count = as_optional_count(
             await s.rpc(seq.conn, requests.wait_prefetch_status(s.d, seq.rid, budget), deadline,
-                        request_id=seq.rid),
+                        request_id=seq.rid, grace_from=seq.started),
             "wait_prefetch_status",
         )
         wait = min(wait * 2, 0.5)
@@ -128,7 +130,7 @@ async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
                          worker_id=None)
     seq.lookup_sent = True
     await s.rpc(seq.conn, requests.lookup(s.d, key, s.layout.world_size), deadline,
-                request_id=seq.rid)
+                request_id=seq.rid, grace_from=seq.started)
     hit = await _prefetch_result(s, seq, deadline)
     if hit > seq.n // C:
         seq.hit = seq.n // C
@@ -210,7 +212,7 @@ async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, sal
         seq.retrieve_key = key
         prepared = Prepared.SENT
         raw = await s.rpc(seq.conn, requests.prepare_retrieve(s.d, key, s.instance_id),
-                          deadline, request_id=seq.rid)
+                          deadline, request_id=seq.rid, grace_from=seq.started)
         if spec is None and has_slots(raw):
             # An SHM server serves retrieves only through its pool, which this
             # client could not map; commit_retrieve (cleanup) releases the read.
@@ -296,7 +298,7 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
         await offload(to_chunks, chunks, pool.region, nbytes=nbytes)
         ok = as_bool(
             await s.rpc(conn, requests.commit_store(s.d, key, s.instance_id), commit_deadline,
-                        request_id=rid),
+                        request_id=rid, grace_from=seq.started),
             "commit_store",
         )
         return len(prep.slots) if ok else 0
@@ -316,7 +318,7 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
 
     try:
         raw = await s.rpc(conn, requests.prepare_store(s.d, key, s.instance_id), deadline,
-                          on_late=on_late, request_id=rid)
+                          on_late=on_late, request_id=rid, grace_from=seq.started)
         return await fill_and_commit(raw, deadline)
     finally:
         s.release_later(_end_session(s, seq))
@@ -347,7 +349,7 @@ async def _store_inline(s: Session, toks: list[int], total: int, salt: str,
         data = await offload(encode, nbytes=nbytes)
         ok = as_bool(
             await s.rpc(seq.conn, requests.commit_store(d, key, s.instance_id, data), deadline,
-                        request_id=seq.rid),
+                        request_id=seq.rid, grace_from=seq.started),
             "commit_store",
         )
     finally:

@@ -158,6 +158,7 @@ class Session:
                 raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
             if self.dialect is None:
                 await self._probe_dialect()
+            await self._read_chunk_size()
             await self._refine_capabilities()
             await self._register(time.monotonic() + self.timeout)
             self.state = "open"
@@ -201,8 +202,8 @@ class Session:
                 "--supported-transfer-mode auto (or engine_driven)",
                 server=self.http_url,
             )
-        # /config mp.chunk_size (0.5.7 can be stale after a negotiation: the
-        # registration reply's slot shape is checked against it below).
+        # /config mp.chunk_size is only a fallback: on 0.5.7 it can be stale after an
+        # engine negotiated another size (compat.md §14.4); get_chunk_size decides.
         chunk = mp.get("chunk_size")
         if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
             self.chunk_size = chunk
@@ -211,8 +212,23 @@ class Session:
             self.reap_timeout = float(reap)
         if self.layout_arg is None:
             self.layout_arg = discover_layout(await self.http.status(), self.model_name)
+
+    async def _read_chunk_size(self) -> None:
+        """The chunk size from ``get_chunk_size`` (the portable rule, compat.md §14.7;
+        ``negotiate_chunk_size`` is never sent), checked against the layout."""
+        if self.d.has_op("get_chunk_size"):
+            raw = await self.rpc(self.transport.pick(), requests.get_chunk_size(self.d),
+                                 time.monotonic() + self.timeout)
+            if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
+                if self.chunk_size and raw != self.chunk_size:
+                    log.warning("the server's get_chunk_size (%d) differs from /config "
+                                "mp.chunk_size (%d); using %d", raw, self.chunk_size, raw)
+                self.chunk_size = raw
+            else:
+                raise ProtocolError(f"get_chunk_size answered {raw!r}", op="get_chunk_size",
+                                    server=self.url)
         if self.chunk_size <= 0:
-            raise ProtocolError("/config has no mp.chunk_size", server=self.http_url)
+            raise ProtocolError("the server reports no chunk size", server=self.http_url)
         if self.chunk_size % self.layout.block_size != 0:
             raise InvalidInputError(
                 f"chunk size {self.chunk_size} is not a multiple of block_size "
@@ -266,16 +282,13 @@ class Session:
         self._register_sent = True
         raw = await self.rpc(self.transport.pick(), requests.register(self.d, payload), deadline)
         reply = parse_register(raw)
-        self._registered_generation = generation
-        old_pool, self.pool = self.pool, None
-        if old_pool is not None:
-            if old_pool.is_current(reply.shm_name, reply.pool_size):
-                # Same server (e.g. only one socket of the pool reconnected): keep it.
-                self.pool = old_pool
-                return
-            # An operation may still hold addresses into it; unmap at close.
-            self._retired_pools.append(old_pool)
+        old_pool = self.pool
+        if old_pool is not None and old_pool.is_current(reply.shm_name, reply.pool_size):
+            # Same server (e.g. only one socket of the pool reconnected): keep it.
+            self._registered_generation = generation
+            return
         mode: Literal["shm", "pickle"] = "pickle"
+        new_pool: PoolMapping | None = None
         if reply.has_shm and self.requested_transport == "pickle":
             raise TransportUnavailableError(
                 "transport='pickle' but the server has an SHM pool, and an SHM server "
@@ -290,37 +303,45 @@ class Session:
                         f"cannot map the server's SHM pool {reply.shm_name!r}: {exc}"
                     ) from None
                 log.warning(
-                    "SHM pool %s cannot be opened (%s); falling back to pickle (inline data): stores "
-                    "and lookups work, retrieves from this SHM server raise "
+                    "SHM pool %s cannot be opened (%s); falling back to pickle (inline data): "
+                    "stores and lookups work, retrieves from this SHM server raise "
                     "TransportUnavailableError", reply.shm_name, exc)
             else:
                 if self._prefault:
                     how = await asyncio.to_thread(pool.populate)
                     log.debug("pre-faulted SHM pool %s (%s)", reply.shm_name, how)
-                self.pool = pool
+                new_pool = pool
                 mode = "shm"
         elif self.requested_transport == "shm":
             raise TransportUnavailableError(
                 "transport='shm' but the server offers no SHM pool (start it with "
                 "--shm-name NAME, and --no-l1-use-lazy on GPU hosts)"
             )
+        # Publish pool, mode and slot spec together, and only then the generation:
+        # operations that see the new generation must see the new mapping with it.
+        if old_pool is not None:
+            self._retired_pools.append(old_pool)  # may still be in use; unmapped at close
+        self.pool = new_pool
         self.mode = mode
         self.slot_spec = (
             SlotSpec(layout.chunk_shape(self.chunk_size), layout.dtype_name, layout.itemsize,
                      reply.pool_size)
             if mode == "shm" else None
         )
+        self._registered_generation = generation
 
-    async def ensure_registered(self, deadline: float) -> None:
+    async def ensure_registered(self, deadline: float, since: float | None = None) -> None:
         """Re-register after a reconnect: a restarted server has forgotten us.
 
-        Waits (within the deadline and the reconnect grace left since the loss)
-        for a socket that is down to come back first, so an operation never runs
-        against a restarted server before it knows us.
+        Waits (within the deadline and the reconnect grace left for an operation
+        that began at ``since``) for a socket that is down to come back first, so
+        an operation never runs against a restarted server before it knows us.
         """
         if not all(c.connected for c in self.transport.connections):
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not await self.transport.wait_usable(remaining):
+            if remaining <= 0 or not await self.transport.wait_usable(
+                remaining, time.monotonic() if since is None else since
+            ):
                 raise ServerUnavailableError("the server is unreachable", server=self.url)
         if self.transport.generation == self._registered_generation:
             return
@@ -413,15 +434,21 @@ class Session:
 
     # ------------------------------------------------------------------ plumbing
     async def rpc(self, conn: Connection, req: Request, deadline: float,
-                  on_late: LateHandler | None = None, request_id: str | None = None) -> object:
-        """One request within ``deadline``; errors carry op, server and request id."""
+                  on_late: LateHandler | None = None, request_id: str | None = None,
+                  grace_from: float | None = None) -> object:
+        """One request within ``deadline``; errors carry op, server and request id.
+
+        ``grace_from``: when the request's operation began (one reconnect grace per
+        operation, counted from the loss or from then, whichever is later).
+        """
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerTimeoutError("deadline expired before the request was sent", op=req.op,
                                      server=self.url, request_id=request_id, timeout=0.0)
         try:
             reply = await conn.request(req, timeout=remaining, on_late=on_late,
-                                       late_window=CLEANUP_TIMEOUT, request_id=request_id)
+                                       late_window=CLEANUP_TIMEOUT, request_id=request_id,
+                                       grace_from=grace_from)
             self.loop_dead = False
             return reply.result()
         except ServerTimeoutError as exc:

@@ -464,6 +464,9 @@ def connect(
         raise InvalidInputError("url must be a non-empty string")
     if "://" not in url:
         url = f"tcp://{url}"
+    if url.startswith(("grpc://", "grpc+unix://")):
+        raise InvalidInputError("gRPC endpoints are not supported yet; start the server with "
+                                "its default ZMQ transport and pass its tcp:// URL")
     if not url.startswith(("tcp://", "ipc://")):
         raise InvalidInputError(f"url must be a tcp:// or ipc:// ZMQ endpoint, got {url!r}")
     if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):

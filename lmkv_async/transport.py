@@ -5,10 +5,11 @@ out or is cancelled is removed from the pending map at once. When the peer goes
 away (a socket monitor reports the disconnect) every pending request fails with
 :class:`ServerUnavailableError` right away instead of waiting out its deadline.
 
-A lost connection gets one reconnect grace (:data:`RECONNECT_GRACE`), counted
-from the moment the loss was seen: every request on that connection, and every
-later step of a multi-RPC operation, fails once the grace since the disconnect
-has passed. The grace does not restart per request.
+A lost connection gets one reconnect grace (:data:`RECONNECT_GRACE`) per
+operation, counted from the moment the loss was seen, or from the operation's
+start if it began later (``grace_from``): every request of an operation that was
+under way, and every later step of it, fails once the grace since the disconnect
+has passed. The grace does not restart per request or per step.
 
 Requests are :class:`~lmkv_async.wire.requests.Request` objects built in
 ``wire/``; this module adds the uid and moves frames. A second transport (gRPC)
@@ -27,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -82,6 +84,10 @@ class Connection:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # Queue only on live connections: without this, a request sent in the moment
+        # between a server's death and our monitor seeing it waits in the pipe and is
+        # delivered to the *restarted* server, opening a session nobody ends.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
         self._pending: dict[bytes, _Pending] = {}
         self._uids = itertools.count(1)
@@ -110,18 +116,23 @@ class Connection:
         """Whether the socket currently has a live TCP connection."""
         return self._connected.is_set()
 
-    def grace_left(self) -> float:
-        """Seconds of reconnect grace left (0 when connected or when it ran out)."""
+    def grace_left(self, since: float | None = None) -> float:
+        """Seconds of reconnect grace left (0 when connected or when it ran out).
+
+        The grace counts from the loss, or from ``since`` (an operation's start) when
+        that is later: an operation that began after the loss gets one grace too.
+        """
         if self._connected.is_set():
             return 0.0
-        return max(0.0, RECONNECT_GRACE - (time.monotonic() - self._down_since))
+        anchor = self._down_since if since is None else max(self._down_since, since)
+        return max(0.0, RECONNECT_GRACE - (time.monotonic() - anchor))
 
-    async def wait_usable(self, timeout: float) -> bool:
+    async def wait_usable(self, timeout: float, since: float | None = None) -> bool:
         """Connected, or waits for a reconnect within both ``timeout`` and what is
-        left of the grace since the connection was lost."""
+        left of the grace (see :meth:`grace_left`)."""
         if self._connected.is_set():
             return True
-        left = min(timeout, self.grace_left())
+        left = min(timeout, self.grace_left(since))
         return left > 0 and await self.wait_connected(left)
 
     def start(self) -> None:
@@ -218,6 +229,7 @@ class Connection:
         on_late: LateHandler | None = None,
         late_window: float = 0.0,
         request_id: str | None = None,
+        grace_from: float | None = None,
     ) -> Reply:
         """Send one request and await its reply within ``timeout`` seconds.
 
@@ -225,12 +237,16 @@ class Connection:
         ``late_window`` more seconds and a reply arriving then is handed to
         ``on_late``: a ``prepare_store`` answered late has reserved slots that
         must still be filled and committed. ``request_id`` only labels errors.
+        ``grace_from`` is when the request's operation began (see :meth:`grace_left`;
+        None: this request is an operation of its own).
         """
         op = req.op
         if self._closed:
             raise ClosedError("transport is closed")
         started = time.monotonic()
-        if not self._connected.is_set() and not await self.wait_usable(timeout):
+        if not self._connected.is_set() and not await self.wait_usable(
+            timeout, started if grace_from is None else grace_from
+        ):
             raise ServerUnavailableError("not connected to the server (reconnect grace over)",
                                          op=op, server=self.url, request_id=request_id)
         uid = next(self._uids)
@@ -245,8 +261,19 @@ class Connection:
         try:
             try:
                 self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # high-water mark reached: wait for room
-                await self._sock.send_multipart(frames, copy=False)
+            except zmq.Again:
+                if not self._connected.is_set():  # no live connection (IMMEDIATE)
+                    raise ServerUnavailableError("not connected to the server", op=op,
+                                                 server=self.url, request_id=request_id) from None
+                # high-water mark reached: wait for room, within the deadline
+                send: asyncio.Future[Any] = asyncio.ensure_future(
+                    self._sock.send_multipart(frames, copy=False))
+                waiters: set[asyncio.Future[Any]] = {send, future}
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                if not send.done():  # the deadline passed or the peer went away first
+                    send.cancel()
+                    return await future
+                send.result()
             except zmq.ZMQError as exc:
                 raise from_zmq_error(exc, op=op, server=self.url) from None
             else:
@@ -338,9 +365,9 @@ class Transport:
         results = await asyncio.gather(*(c.wait_connected(timeout) for c in self._conns))
         return all(results)
 
-    async def wait_usable(self, timeout: float) -> bool:
+    async def wait_usable(self, timeout: float, since: float | None = None) -> bool:
         """Every socket connected, waiting at most ``timeout`` and each one's grace."""
-        results = await asyncio.gather(*(c.wait_usable(timeout) for c in self._conns))
+        results = await asyncio.gather(*(c.wait_usable(timeout, since) for c in self._conns))
         return all(results)
 
     def pick(self) -> Connection:

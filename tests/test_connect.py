@@ -74,11 +74,13 @@ async def test_dialect_chosen_from_version(
     server = server_factory(version)
     layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
     async with lmkv.connect(server.url, server.http_url, "dialect", layout=layout) as ctx:
-        expected = lmkv.wire.DIALECT_052 if version == "0.5.2" else lmkv.wire.DIALECT_056
+        expected = {"0.5.2": lmkv.wire.DIALECT_052, "0.5.6": lmkv.wire.DIALECT_056,
+                    "0.5.7rc2": lmkv.wire.DIALECT_057}[version]
         assert ctx.dialect is expected
+        assert not ctx.untested_server
         # the request loop is alive after everything we sent (a wrong op id would kill it)
         conn = ctx._transport.pick()
-        assert await conn.probe(ctx.dialect.op_id("noop"), timeout=5) == "OK"
+        assert await conn.probe(lmkv.wire.requests.noop(ctx.dialect), timeout=5) == "OK"
     assert_no_leaks(server)
 
 
