@@ -61,21 +61,17 @@ import asyncio
 import contextlib
 import gc
 import json
-import math
 import os
 import platform
-import queue
 import random
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,15 +86,11 @@ except ImportError:
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from _common import LoopTicker, cpu_model, registered_engine, summarize  # noqa: E402  (same directory)
 
 import lmkv_async as lmkv  # noqa: E402
-from lmkv_async import kernel as kcopy  # noqa: E402
-
-output_pool: Any
-try:
-    from lmkv_async.memory import output_pool
-except ImportError:  # older tree: retrieve without out= allocates fresh memory
-    output_pool = None
+from lmkv_async import kernel  # noqa: E402
+from lmkv_async.memory import output_pool  # noqa: E402
 from lmkv_async.testing import (  # noqa: E402
     LocalServer,
     ServerConfig,
@@ -183,21 +175,6 @@ mod.main([peer_path, job_arg])
 
 
 # ----------------------------------------------------------------------------- helpers
-def summarize(samples: Sequence[float]) -> dict[str, Any]:
-    """Median and p10/p90 (linear interpolation) of a list of samples."""
-    xs = sorted(float(x) for x in samples)
-    if not xs:
-        return {"n": 0}
-
-    def pct(p: float) -> float:
-        k = (len(xs) - 1) * p
-        lo, hi = math.floor(k), math.ceil(k)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-    return {"n": len(xs), "median": statistics.median(xs), "p10": pct(0.10), "p90": pct(0.90),
-            "min": xs[0], "max": xs[-1], "samples": xs}
-
-
 def split_reps(reps: int) -> tuple[int, int]:
     """lmkv reps before / after the SDK job."""
     first = (reps + 1) // 2
@@ -207,16 +184,6 @@ def split_reps(reps: int) -> tuple[int, int]:
 def parts(reps: int, k: int) -> list[int]:
     """``reps`` split into ``k`` near-equal parts, larger first (7, 3 -> [3, 2, 2])."""
     return [reps // k + (1 if i < reps % k else 0) for i in range(k)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def log(msg: str) -> None:
@@ -239,78 +206,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def pretouched_out(n: int) -> torch.Tensor:
-    out = kernel.alloc_output((2, L, n, D), DTYPE)
+    out = output_pool.empty((2, L, n, D), DTYPE)
     out.view(torch.int16).fill_(0)
     return out
-
-
-# ----------------------------------------------------------------------------- registration
-@contextlib.contextmanager
-def registered_engine(
-    server: LocalServer,
-    log_dir: Path,
-    *,
-    model: str = MODEL,
-    geometry: tuple[int, int, int, int] = (L, NH, HS, BS),
-) -> Iterator[dict[str, Any]]:
-    """lmcache-driven CPU registration of a geometry ``(L, NH, HS, BS)``, bf16 (what the
-    SDK needs to discover its layout). Also used by ``bench_soak.py``.
-
-    Same as ``tests/servers.py::registered_engine`` (which needs pytest): runs
-    ``tests/server_scripts/register_cpu_engine.py`` with the server's Python,
-    waits for ``READY``, and on exit closes its stdin so it unregisters.
-    """
-    log_path = log_dir / f"register-{server.zmq_port}.log"
-    layers, heads, head_dim, block = geometry
-    argv = [
-        server.config.python, str(REGISTER_SCRIPT), "--url", server.url, "--model", model,
-        "--num-layers", str(layers), "--num-kv-heads", str(heads), "--head-dim", str(head_dim),
-        "--block-size", str(block), "--num-blocks", "16", "--dtype", "bfloat16",
-        "--heartbeat-interval", "5",
-    ]  # fmt: skip
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=logf, env=server_env())
-    lines: queue.Queue[bytes | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline = time.monotonic() + 120
-        info: dict[str, Any] | None = None
-        while info is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            text = line.decode("utf-8", "replace").strip()
-            if text.startswith("READY "):
-                info = json.loads(text[len("READY "):])
-        if info is None:
-            tail = log_path.read_text("utf-8", "replace")[-3000:]
-            raise RuntimeError(f"register_cpu_engine.py did not print READY:\n{tail}")
-        yield info
-    finally:
-        if proc.poll() is None and proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        prefix = f"lmcache_kv_{proc.pid}_"
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(prefix):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join("/dev/shm", name))
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -733,27 +631,11 @@ class Bench:
         res: dict[str, Any] = {"rows": []}
 
         async def measure(coro_fn: Callable[[], Awaitable[Any]]) -> tuple[list[float], float]:
-            gaps: list[float] = []
-            stop = asyncio.Event()
-
-            async def tick() -> None:
-                last = time.perf_counter()
-                while not stop.is_set():
-                    await asyncio.sleep(0.001)
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
-
-            task = asyncio.create_task(tick())
-            await asyncio.sleep(0.02)
-            gaps.clear()
-            t0 = time.perf_counter()
-            await coro_fn()
-            dt = time.perf_counter() - t0
-            await asyncio.sleep(0.005)
-            stop.set()
-            await task
-            return gaps, dt
+            async with LoopTicker() as ticker:
+                t0 = time.perf_counter()
+                await coro_fn()
+                dt = time.perf_counter() - t0
+            return ticker.gaps, dt
 
         # baseline: the ticker alone (scheduling noise of this machine)
         base_max, base_gaps = [], []
@@ -1188,7 +1070,7 @@ def main() -> int:
     try:
         srv.start()
         log(f"server {srv.reported_version} pid {srv.pid} started in {srv.start_seconds:.1f}s")
-        with registered_engine(srv, bench.tmp) as reg:
+        with registered_engine(srv, bench.tmp, model=MODEL, geometry=(L, NH, HS, BS)) as reg:
             log(f"registered lmcache-driven engine (pid {reg['pid']})")
             asyncio.run(bench.run_main(sections))
     finally:

@@ -24,6 +24,8 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT))
 
+from _common import LoopTicker  # noqa: E402  (same directory)
+
 from lmkv_async.memory import MADV_POPULATE_WRITE, madvise  # noqa: E402
 
 SIZE = 512 << 20
@@ -46,25 +48,11 @@ def via_ctypes() -> None:
 
 async def lag(fn: Callable[[], None]) -> tuple[float, float]:
     """(max tick gap, pre-fault time) in ms, pre-fault run in a worker thread."""
-    gaps: list[float] = []
-    done = False
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.02)
-    t0 = time.perf_counter()
-    await asyncio.to_thread(fn)
-    elapsed = time.perf_counter() - t0
-    done = True
-    await ticker
-    return max(gaps) * 1e3, elapsed * 1e3
+    async with LoopTicker() as ticker:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(fn)
+        elapsed = time.perf_counter() - t0
+    return ticker.max_gap * 1e3, elapsed * 1e3
 
 
 async def main() -> None:

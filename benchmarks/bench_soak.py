@@ -30,7 +30,7 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from bench_e2e import registered_engine  # noqa: E402  (same directory)
+from _common import registered_engine  # noqa: E402  (same directory)
 
 import lmkv_async as lmkv  # noqa: E402
 from lmkv_async.testing import (  # noqa: E402
