@@ -134,6 +134,7 @@ class Session:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.state: Literal["new", "open", "closing", "closed"] = "new"
+        self._abandoned = False  # close gave up on unanswered requests: send nothing more
         self.reap_timeout: float | None = None
 
     @property
@@ -410,12 +411,19 @@ class Session:
         if self._tasks:
             log.warning(
                 "aclose: %d operation(s) or release step(s) got no reply within %.1fs; "
-                "cancelling them. The server may keep their read locks until its lock TTL, "
+                "abandoning them. The server may keep their read locks until its lock TTL, "
                 "their sessions until the session TTL, and a store's reservation until the "
                 "registration is dropped", len(self._tasks), budget)
-            for task in list(self._tasks):
+            # Fail what is waiting with ClosedError (callers get a typed error, not a
+            # CancelledError they did not ask for), and send no further release steps.
+            self._abandoned = True
+            for c in self.transport.connections:
+                c.fail_pending("the context was closed before the server answered")
+            await asyncio.wait(list(self._tasks), timeout=0.5)
+            for task in list(self._tasks):  # last resort: something not waiting on a reply
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._abandoned = False  # the unregister below is still worth a short try
         conn = self.transport.pick()
         if unregister and self.dialect is not None and not self.loop_dead and conn.connected:
             try:
@@ -441,6 +449,8 @@ class Session:
         ``grace_from``: when the request's operation began (one reconnect grace per
         operation, counted from the loss or from then, whichever is later).
         """
+        if self._abandoned:
+            raise ClosedError("the context was closed before the server answered")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ServerTimeoutError("deadline expired before the request was sent", op=req.op,
@@ -472,8 +482,9 @@ class Session:
         locks (0.5.2's free_lookup_locks is anonymous, compat.md §6.3). It is not
         retried with a fresh reconnect wait.
         """
-        if conn.generation != generation or not conn.connected:
-            log.debug("skipping %s: the server connection was lost", req.op)
+        if conn.generation != generation or not conn.connected or self._abandoned:
+            log.debug("skipping %s: the server connection was lost or the context closed",
+                      req.op)
             return None
         try:
             return await self.rpc(conn, req, time.monotonic() + CLEANUP_TIMEOUT,

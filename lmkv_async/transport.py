@@ -211,6 +211,10 @@ class Connection:
             return
         pending.future.set_result(reply)
 
+    def fail_pending(self, message: str) -> None:
+        """Fail every request awaiting a reply with :class:`ClosedError` (the socket stays)."""
+        self._fail_all(ClosedError, message)
+
     def _fail_all(self, kind: type[ServerUnavailableError | ClosedError], message: str) -> None:
         """Fail every pending request, each with its own error naming its op."""
         for key, pending in list(self._pending.items()):

@@ -9,7 +9,7 @@ environments; see ``servers.py``):
   (check with ``servers.assert_no_leaks``). pytest groups tests by parameter,
   so only one of the four runs at a time.
 * ``server_factory(version, *, shm=True, transfer_mode="auto", chunk_size=256,
-  l1_size_gb=1.0, extra_args=(), private=False)`` -- one-off servers: shared
+  l1_size_gb=1.0, extra_args=(), private=False, api_key=None)`` -- one-off servers: shared
   between tests with an identical configuration unless ``private=True``; a
   private server belongs to the test (kill/freeze/restart it freely) and is
   stopped when the test ends.
@@ -138,6 +138,7 @@ def server_factory(server_pool: ServerPool) -> Iterator[Callable[..., LocalServe
         l1_size_gb: float = 1.0,
         extra_args: tuple[str, ...] = (),
         private: bool = False,
+        api_key: str | None = None,
     ) -> LocalServer:
         spec = ServerSpec(
             version=version,
@@ -146,6 +147,7 @@ def server_factory(server_pool: ServerPool) -> Iterator[Callable[..., LocalServe
             chunk_size=chunk_size,
             l1_size_gb=l1_size_gb,
             extra_args=tuple(extra_args),
+            api_key=api_key,
         )
         if private:
             srv = server_pool.private(spec)

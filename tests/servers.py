@@ -80,6 +80,7 @@ class ServerSpec:
     chunk_size: int = 256
     l1_size_gb: float = 1.0
     extra_args: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_id(cls, server_id: str) -> ServerSpec:
@@ -93,7 +94,10 @@ class ServerSpec:
     def label(self) -> str:
         """Short name for logs, e.g. ``0.5.6-shm-auto``."""
         extra = ("+" + "_".join(a.lstrip("-") for a in self.extra_args)) if self.extra_args else ""
-        return f"{self.version}-{'shm' if self.shm else 'pickle'}-{self.transfer_mode}{extra}"
+        extra = extra.replace("/", "_")[:60]  # a flag's value may be a path
+        keyed = "+key" if self.api_key else ""
+        mode = "shm" if self.shm else "pickle"
+        return f"{self.version}-{mode}-{self.transfer_mode}{extra}{keyed}"
 
     def config(self) -> ServerConfig:
         """The :class:`ServerConfig` (resolves the interpreter; may fail/skip)."""
@@ -105,6 +109,7 @@ class ServerSpec:
             chunk_size=self.chunk_size,
             l1_size_gb=self.l1_size_gb,
             extra_args=self.extra_args,
+            api_key=self.api_key,
         )
 
 

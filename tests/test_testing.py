@@ -19,6 +19,7 @@ from lmkv_async.testing import LocalServerError, env_var_for, find_server_python
 def test_import_registers_nothing() -> None:
     code = textwrap.dedent("""
         import atexit, threading
+        import lmkv_async  # torch and friends may register their own hooks: the baseline
         before = (atexit._ncallbacks(), threading.active_count())
         import lmkv_async.testing, lmkv_async.testing.plugin
         print(before == (atexit._ncallbacks(), threading.active_count()))
@@ -77,7 +78,11 @@ def test_pytest_plugin_runs_a_users_suite_against_a_real_server(tmp_path: Path) 
         def test_server_is_shared(lmcache_server):
             assert lmcache_server.is_running()
     """))
-    env = {**os.environ, "LMKV_LMCACHE_PYTHON_056": python, "PYTHONDONTWRITEBYTECODE": "1"}
+    # the child imports the same lmkv_async as this process (installed or a source tree)
+    pkg_root = str(Path(lmkv_async.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "LMKV_LMCACHE_PYTHON_056": python, "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": path}
     env.pop("PYTEST_ADDOPTS", None)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "anyio",

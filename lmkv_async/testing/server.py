@@ -107,6 +107,9 @@ class ServerConfig:
         l1_size_gb: L1 size in GiB (``--l1-size-gb``).
         extra_args: More server flags, appended last, e.g.
             ``("--max-gpu-workers", "2")``.
+        api_key: Start the server with this HTTP API key (lmcache >= 0.5.7: a 0600 key
+            file is written and passed as ``--api-key-file``); the server's own HTTP
+            helpers below send it. Never shown in a repr.
     """
 
     version: str
@@ -116,6 +119,7 @@ class ServerConfig:
     chunk_size: int = 256
     l1_size_gb: float = 1.0
     extra_args: tuple[str, ...] = field(default=())
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in _TRANSFER_MODES:
@@ -236,6 +240,9 @@ class LocalServer:
             self.log_path = Path(log_path)
         self._proc: subprocess.Popen[bytes] | None = None
         self._shm_name: str | None = None
+        self._key_file: Path | None = None  # written at start, removed at stop
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._headers = headers
         self.start_seconds: float | None = None
         #: ``/version`` as reported by the running server, e.g. ``"0.5.6-g3e11e108"``.
         self.reported_version: str | None = None
@@ -285,6 +292,8 @@ class LocalServer:
             "--eviction-policy", "LRU",
             "--shm-name", self._shm_name or "",
         ]  # fmt: skip
+        if self._key_file is not None:
+            argv += ["--api-key-file", str(self._key_file)]
         argv += list(cfg.extra_args)
         return argv
 
@@ -317,6 +326,11 @@ class LocalServer:
         # A stale segment of the same name (e.g. from a SIGKILLed run) would be
         # reused by the server; remove it first.
         self._remove_segment()
+        if cfg.api_key is not None and self._key_file is None:
+            fd, key_name = tempfile.mkstemp(prefix="lmkv-server-key-")  # mode 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(cfg.api_key + "\n")
+            self._key_file = Path(key_name)
         argv = self.command()
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
@@ -348,7 +362,7 @@ class LocalServer:
         proc = self._proc
         assert proc is not None
         http_ok = False
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
+        with httpx.Client(timeout=2.0, trust_env=False, headers=self._headers) as client:
             while True:
                 rc = proc.poll()
                 if rc is not None:
@@ -426,6 +440,10 @@ class LocalServer:
                 proc.wait()
         self._proc = None
         self._remove_segment()
+        if self._key_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._key_file.unlink()
+            self._key_file = None
 
     def kill(self) -> None:
         """SIGKILL the server and reap it.
@@ -469,7 +487,7 @@ class LocalServer:
 
     # ------------------------------------------------------------------ HTTP helpers
     def _get_json(self, path: str, timeout: float) -> Any:
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
+        with httpx.Client(timeout=timeout, trust_env=False, headers=self._headers) as client:
             response = client.get(self.http_url + path)
             response.raise_for_status()
             return response.json()
