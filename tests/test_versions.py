@@ -120,7 +120,7 @@ async def test_newer_release_is_spoken_to_flagged_warned_and_named_in_timeouts(
 
 async def test_release_older_than_050_is_refused_before_zmq() -> None:
     async with VersionFake("0.4.9", MP_057) as fake:
-        with pytest.raises(lmkv.UnsupportedServerError, match="older than 0.5.0"):
+        with pytest.raises(lmkv.UnsupportedServerError, match=r"older than 0\.5\.0"):
             await lmkv.connect(fake.url, fake.http_url, "old", layout=LAYOUT)
         assert fake.ops == []
 
