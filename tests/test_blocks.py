@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from servers import assert_no_leaks
+from servers import checked_context
 from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
@@ -37,10 +37,10 @@ def paged_from_dense(kv: torch.Tensor, block_ids: list[int], layout: lmkv.KVLayo
 
 @pytest.fixture
 async def ctx(server: LocalServer) -> AsyncIterator[lmkv.AsyncKVContext]:
-    async with lmkv.connect(server.url, server.http_url, f"blocks-{next(_names)}",
-                            layout=LAYOUT, timeout=20) as c:
+    # checked while still registered (unregistering sweeps pending reads/writes), then after
+    async with checked_context(server, f"blocks-{next(_names)}", layout=LAYOUT,
+                               timeout=20) as c:
         yield c
-    assert_no_leaks(server)
 
 
 async def test_store_blocks_then_retrieve_dense_and_blocks(ctx: lmkv.AsyncKVContext) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import VERSIONS, assert_no_leaks
+from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -52,10 +52,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture
 async def ctx(server: LocalServer) -> AsyncIterator[lmkv.AsyncKVContext]:
-    async with lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT,
-                            timeout=20) as c:
+    # checked while still registered (unregistering sweeps pending reads/writes), then after
+    async with checked_context(server, model_name(), layout=LAYOUT, timeout=20) as c:
         yield c
-    assert_no_leaks(server)
 
 
 async def test_transport_and_version_reported(ctx: lmkv.AsyncKVContext, server: LocalServer
@@ -71,7 +70,7 @@ async def test_transport_and_version_reported(ctx: lmkv.AsyncKVContext, server: 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 async def test_round_trip_is_bit_exact(server: LocalServer, dtype: torch.dtype) -> None:
     layout = lmkv.KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, dtype=dtype)
-    async with lmkv.connect(server.url, server.http_url, model_name(), layout=layout) as ctx:
+    async with checked_context(server, model_name(), layout=layout) as ctx:
         C = ctx.chunk_size
         toks = tokens_for(3 * C + 17)
         kv = random_kv(layout, len(toks), seed=5)
@@ -82,7 +81,6 @@ async def test_round_trip_is_bit_exact(server: LocalServer, dtype: torch.dtype) 
         out = await ctx.retrieve(toks)
         assert out is not None and out.dtype == dtype
         assert same_bits(out, kv[:, :, : 3 * C])
-    assert_no_leaks(server)
 
 
 async def test_prefix_partial_hit_and_miss(ctx: lmkv.AsyncKVContext) -> None:
@@ -164,6 +162,7 @@ async def test_functional_api_mirrors_official_sdk(server: LocalServer) -> None:
         assert await lmkv.lookup(ctx, toks) == ctx.chunk_size
         out = await lmkv.retrieve(ctx, toks)
         assert out is not None and same_bits(out, kv)
+        await assert_quiescent(ctx)
     finally:
         await lmkv.close(ctx)
     assert ctx.closed
@@ -281,13 +280,14 @@ async def test_shm_unmappable_falls_back_or_raises(
         # the server hands out retrieves only as SHM slots: a typed error, locks released
         with pytest.raises(lmkv.TransportUnavailableError, match="SHM pool"):
             await ctx.retrieve(toks)
+        await assert_quiescent(ctx)  # the refused SHM read was committed back
     assert "falling back to pickle" in caplog.text
     with pytest.raises(lmkv.TransportUnavailableError):
         await lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT,
                            shm_dir=empty_dir, transport="shm")
     assert_no_leaks(server)
     # and the data stored through pickle reads back bit-exact through SHM
-    async with lmkv.connect(server.url, server.http_url, name, layout=LAYOUT) as ctx2:
+    async with checked_context(server, name, layout=LAYOUT) as ctx2:
         out = await ctx2.retrieve(toks)
         assert out is not None and same_bits(out, kv)
 
@@ -351,3 +351,37 @@ async def test_closed_context_and_bad_heartbeat(server: LocalServer) -> None:
         await ctx.status()
     with pytest.raises(lmkv.ClosedError):
         await ctx.store(random_kv(LAYOUT, 256), tokens_for(256))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("skip", ["commit_retrieve", "commit_store"])
+async def test_leak_check_sees_a_missing_commit_only_while_registered(
+    version: str, skip: str, server_factory: Callable[..., LocalServer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check the context fixtures run can fail: with a commit step suppressed, the
+    pending SHM read/write shows in /status while the context is registered, and the
+    server sweeps it at unregister (so a check after aclose() alone would miss it)."""
+    from lmkv_async.wire import requests as wire_requests
+
+    server = server_factory(version, private=True)  # it will hold a leak for a while
+    async with lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT) as ctx:
+        assert ctx.transport == "shm"
+        toks = tokens_for(2 * ctx.chunk_size)
+        kv = random_kv(LAYOUT, len(toks), seed=13)
+        if skip == "commit_store":
+            # a harmless ping in place of the commit: the reservation stays write-locked
+            monkeypatch.setattr(wire_requests, "commit_store",
+                                lambda d, key, iid, data=b"": wire_requests.ping(d, iid))
+            await ctx.store(kv, toks)
+            lock = "write_locked_count"
+        else:
+            await ctx.store(kv, toks)
+            monkeypatch.setattr(wire_requests, "commit_retrieve",
+                                lambda d, key, iid: wire_requests.ping(d, iid))
+            out = await ctx.retrieve(toks)
+            assert out is not None and same_bits(out, kv)
+            lock = "read_locked_count"
+        with pytest.raises(AssertionError, match=lock):
+            await assert_quiescent(ctx, timeout=1.0)
+    await assert_quiescent(server)  # swept by unregister: invisible from here
