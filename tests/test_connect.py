@@ -80,19 +80,3 @@ async def test_dialect_chosen_from_version(
         conn = ctx._transport.pick()
         assert await conn.probe(ctx.dialect.op_id("noop"), timeout=5) == "OK"
     assert_no_leaks(server)
-
-
-async def test_idle_context_keeps_registration_via_heartbeat(
-    server_factory: Callable[..., LocalServer]
-) -> None:
-    server = server_factory("0.5.6")
-    layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
-    async with lmkv.connect(server.url, server.http_url, "hb", layout=layout,
-                            heartbeat_interval=0.2) as ctx:
-        import asyncio
-
-        await asyncio.sleep(1.0)
-        status = server.status()
-        assert ctx.instance_id in status["registered_non_cuda_instance_ids"]
-        assert status["worker_liveness"]["tracked_instances"] >= 1
-    assert ctx.instance_id not in server.status()["registered_non_cuda_instance_ids"]

@@ -52,11 +52,12 @@ def fast(elapsed: float, *, limit: float | None = None, what: str = "") -> None:
 
 
 async def eventually(cond: Callable[[], Any], timeout: float | None = None, *,
-                     interval: float = 0.02, what: str = "") -> Any:
+                     interval: float = 0.02, what: str | Callable[[], str] = "") -> Any:
     """Poll ``cond`` (sync or async) until it returns something truthy; return that.
 
-    Fails with ``what`` (and the last falsy value) after ``timeout`` seconds
-    (default :data:`SETTLE`). The event loop keeps running between polls.
+    Fails with ``what`` (a string, or a function evaluated at failure time) and the
+    last falsy value after ``timeout`` seconds (default :data:`SETTLE`). The event
+    loop keeps running between polls.
     """
     timeout = SETTLE if timeout is None else timeout
     deadline = time.monotonic() + timeout
@@ -67,7 +68,8 @@ async def eventually(cond: Callable[[], Any], timeout: float | None = None, *,
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not true after {timeout:.1f}s: {what or cond!r} "
+            label = what() if callable(what) else what
+            raise AssertionError(f"not true after {timeout:.1f}s: {label or cond!r} "
                                  f"(last: {value!r})")
         await asyncio.sleep(interval)
 
