@@ -13,6 +13,7 @@ from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
+from lmkv_async.wire import requests as wire_requests
 
 pytestmark = pytest.mark.anyio
 
@@ -78,5 +79,5 @@ async def test_dialect_chosen_from_version(
         assert ctx.dialect is expected
         # the request loop is alive after everything we sent (a wrong op id would kill it)
         conn = ctx._transport.pick()
-        assert await conn.probe(ctx.dialect.op_id("noop"), timeout=5) == "OK"
+        assert await conn.probe(wire_requests.noop(ctx.dialect), timeout=5) == "OK"
     assert_no_leaks(server)
