@@ -211,6 +211,10 @@ class Session:
             self.reap_timeout = float(reap)
         if self.layout_arg is None:
             self.layout_arg = discover_layout(await self.http.status(), self.model_name)
+        if self.dialect is not None:  # else the ZMQ probe decides, and may tell the size
+            self._check_chunk_size()
+
+    def _check_chunk_size(self) -> None:
         if self.chunk_size <= 0:
             raise ProtocolError("/config has no mp.chunk_size", server=self.http_url)
         if self.chunk_size % self.layout.block_size != 0:
@@ -226,6 +230,9 @@ class Session:
         if self.dialect is None:
             raise UnsupportedServerError(f"cannot identify the server from {result!r}",
                                          server=self.url)
+        if self.chunk_size <= 0 and isinstance(result, int) and not isinstance(result, bool):
+            self.chunk_size = result  # on 0.5.3+ op 21 is get_chunk_size
+        self._check_chunk_size()
 
     async def _refine_capabilities(self) -> None:
         """Capabilities from the version table, confirmed by ``get_experimental`` where
@@ -475,6 +482,11 @@ class Session:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                # aclose() gave up on the operation; its caller was not cancelled
+                raise ClosedError("the context was closed while the operation was in "
+                                  "flight") from None
             state.abandoned = True
             raise
         except ServerError as exc:  # errors from reply parsing name the server too
