@@ -1651,3 +1651,182 @@ def test_fake_is_a_real_router_with_a_real_segment(fake: FakeLMCache) -> None:
     assert fake.register_result["pool_size"] == POOL
     seg = fake.segment()
     assert seg.numel() == POOL + TAIL and seg.eq(SENTINEL).all()
+
+
+# ----------------------------------------------------------------------------- detection
+
+
+async def test_server_older_than_050_is_refused(fake: FakeLMCache) -> None:
+    fake.http["/version"] = "0.4.9"
+    with pytest.raises(lmkv.UnsupportedServerError, match=r"older than 0\.5\.0"):
+        await open_ctx(fake).__aenter__()
+    assert fake.requests() == [], "refused from /version alone: nothing goes over ZMQ"
+
+
+@pytest.mark.parametrize("version_reply", ["404", "unparseable"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_config_keys_decide_without_a_version(
+    fake_factory: Callable[..., FakeLMCache], version_reply: str, dialect: str
+) -> None:
+    """No usable /version: the keys of /config mp decide (0.5.6 has session_ttl_seconds,
+    a /config with none of the newer keys is 0.5.0-0.5.2); no probe is sent."""
+    fake = fake_factory(dialect=dialect)
+    fake.http["/version"] = NOT_FOUND if version_reply == "404" else "nightly"
+    async with open_ctx(fake) as ctx:
+        assert ctx.dialect is (DIALECT_056 if dialect == "0.5.6" else DIALECT_052)
+        assert ctx.server_version == ("" if version_reply == "404" else "nightly")
+        await round_trip(ctx, fake, seed=60)  # the fake only answers its own table
+    assert not [r for r in fake.requests() if r.op_frame == msgpack.packb(21) and not r.args]
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_zmq_probe_when_config_has_no_mp_section(
+    fake_factory: Callable[..., FakeLMCache], dialect: str
+) -> None:
+    """Neither /version nor /config tell: op 21 with no payload decides. On the 0.5.6
+    table it is get_chunk_size (an int: the 0.5.3-0.5.4 rules, and the chunk size);
+    on 0.5.2 it is noop ("OK"), which leaves the chunk size unknown: a typed error."""
+    fake = fake_factory(dialect=dialect)
+    fake.http["/version"] = NOT_FOUND
+    fake.config = {}
+    if dialect == "0.5.6":
+        async with open_ctx(fake) as ctx:
+            assert ctx.dialect.name == "0.5.3-0.5.4" and ctx.chunk_size == C
+            await round_trip(ctx, fake, seed=61)
+    else:
+        with pytest.raises(lmkv.ProtocolError, match="chunk_size"):
+            await open_ctx(fake).__aenter__()
+        assert REGISTER not in [r.op for r in fake.requests()]
+    probes = [r for r in fake.requests() if r.op_frame == msgpack.packb(21)]
+    assert probes and probes[0].args == [], "the probe is op 21 without a payload"
+
+
+@pytest.mark.parametrize("source", ["config", "probe"])
+async def test_chunk_size_not_a_multiple_of_block_size(fake: FakeLMCache, source: str) -> None:
+    if source == "config":
+        fake.config["mp"]["chunk_size"] = 200  # LAYOUT.block_size is 16
+    else:
+        fake.http["/version"] = NOT_FOUND
+        fake.config = {}
+        fake.on(21, lambda req, f: f.frames(req, 200))
+    with pytest.raises(lmkv.InvalidInputError, match="not a multiple of block_size"):
+        await open_ctx(fake).__aenter__()
+    assert REGISTER not in [r.op for r in fake.requests()], "nothing may be registered"
+
+
+# ----------------------------------------------------------------------------- heartbeat
+
+
+async def test_heartbeat_interval_follows_the_reap_timeout(
+    fake_factory: Callable[..., FakeLMCache]
+) -> None:
+    """With heartbeat_interval=None pings go every reap_timeout / 4 (from /config); with 0
+    none at all; with no reap timeout announced, every 10 s."""
+    fake = fake_factory()
+    fake.config["mp"]["worker_reap_timeout_seconds"] = 4  # -> a 1 s interval
+    async with open_ctx(fake, heartbeat_interval=None) as derived, \
+            open_ctx(fake, heartbeat_interval=0) as off:
+        assert derived._s.heartbeat_interval == 1.0
+        pings = await eventually(lambda: len(fake.pings_from(derived.instance_id)) >= 3
+                                 and fake.pings_from(derived.instance_id),
+                                 timeout=3 + 3 * SLACK, what="three heartbeat pings")
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        assert all(g >= 1.0 - 0.05 for g in gaps), gaps
+        assert fake.pings_from(off.instance_id) == []
+    unknown = fake_factory()
+    del unknown.config["mp"]["worker_reap_timeout_seconds"]
+    async with open_ctx(unknown, heartbeat_interval=None) as ctx:
+        assert ctx._s.heartbeat_interval == 10.0
+
+
+# ----------------------------------------------------------------------------- fan-out
+
+
+async def test_many_calls_pass_salt_and_timeout_to_every_item(fake: FakeLMCache) -> None:
+    async with open_ctx(fake) as ctx:
+        seqs = [tokens_for(C, seed=70 + i) for i in range(3)]
+        kvs = [random_kv(LAYOUT, C, seed=70 + i) for i in range(3)]
+        stored = await ctx.store_many(list(zip(kvs, seqs, strict=True)), cache_salt="tenant-x")
+        assert all(r.ok and r.value is not None and r.value.written_chunks == 1 for r in stored)
+        assert [r.value for r in await ctx.lookup_many(seqs, cache_salt="tenant-x")] == [C] * 3
+        assert [r.value for r in await ctx.lookup_many(seqs)] == [0] * 3
+        keys = [r.args[0] for r in fake.requests() if r.op in (LOOKUP, PREP_STORE)]
+        assert {k["cache_salt"] for k in keys} == {"tenant-x", ""}
+        back = await ctx.retrieve_many(seqs, cache_salt="tenant-x")
+        assert all(same_bits(r.unwrap(), kv) for r, kv in zip(back, kvs, strict=True))  # type: ignore[arg-type]
+        # the per-item timeout, not the context default: all three expire together
+        for o in (LOOKUP, PREP_STORE):
+            fake.on(o, lambda req, f: None, times=None)
+        for call in (lambda: ctx.lookup_many(seqs, timeout=SHORT),
+                     lambda: ctx.retrieve_many(seqs, timeout=SHORT, cache_salt="tenant-x"),
+                     lambda: ctx.store_many(list(zip(kvs, [tokens_for(C) for _ in kvs],
+                                                     strict=True)), timeout=SHORT)):
+            results, exc, elapsed = await timed(call())
+            assert exc is None, repr(exc)
+            assert all(isinstance(r.error, lmkv.ServerTimeoutError) for r in results), results
+            within(elapsed, SHORT, what="three items with timeout=SHORT, in parallel")
+
+
+# ----------------------------------------------------------------------------- paged
+
+
+@pytest.mark.parametrize("name", ["offset-past-end", "length-short", "fewer-slots-than-hit"])
+async def test_hostile_prepare_retrieve_reply_into_blocks(fake: FakeLMCache, name: str) -> None:
+    build = _bad_retrieve_replies()[name]
+    nb = 2 * C // LAYOUT.block_size
+    async with open_ctx(fake) as ctx:
+        toks, _ = await seed_chunks(ctx, 2, seed=75)
+        snap = fake.segment()
+        caches = [torch.full((nb + 4, 2, 1, LAYOUT.block_size, 16), 7.0) for _ in range(1)]
+        fake.on(PREP_RETRIEVE, lambda req, f: f.frames(req, build([A, B])))
+        _, exc, elapsed = await timed(ctx.retrieve_blocks(toks, caches, list(range(nb))))
+        assert isinstance(exc, lmkv.ProtocolError), repr(exc)
+        fast(elapsed, what="a hostile reply to retrieve_blocks")
+        assert bool((caches[0] == 7.0).all()), "blocks written despite an error"
+        assert changed_outside(snap, fake.segment()) == []
+        await fake.wait_ops(fake.last_rid("retrieve"),
+                            [LOOKUP, QUERY, PREP_RETRIEVE, COMMIT_RETRIEVE, END])
+        await round_trip(ctx, fake, seed=76)
+
+
+@pytest.mark.parametrize("name", ["offset-past-end", "overlap-partial", "idx-out-of-range"])
+async def test_hostile_prepare_store_reply_from_blocks(fake: FakeLMCache, name: str) -> None:
+    reply = BAD_STORE_REPLIES[name]
+    nb = 2 * C // LAYOUT.block_size
+    async with open_ctx(fake) as ctx:
+        before = fake.segment()
+        caches = [torch.randn(nb, 2, 1, LAYOUT.block_size, 16)]
+        fake.on(PREP_STORE, lambda req, f: f.frames(req, reply))
+        _, exc, elapsed = await timed(ctx.store_blocks(caches, list(range(nb)),
+                                                       tokens_for(2 * C, seed=77)))
+        assert isinstance(exc, lmkv.ProtocolError), repr(exc)
+        fast(elapsed, what="a hostile reply to store_blocks")
+        assert changed_outside(before, fake.segment()) == []
+        await fake.wait_ops(fake.last_rid("store"), [PREP_STORE, END])
+        await round_trip(ctx, fake, seed=78)
+
+
+# ----------------------------------------------------------------------------- aclose
+
+
+async def test_aclose_with_operations_in_flight_on_a_silent_server(fake: FakeLMCache) -> None:
+    """aclose() waits for running operations at most CLOSE_BUDGET, then cancels them and
+    unregisters (at most UNREGISTER_TIMEOUT more); their callers get a typed error."""
+    ctx = await open_ctx(fake, timeout=60)
+    toks, kv = await seed_chunks(ctx, 1, seed=79)
+    for o in sorted(VALID_OPS - {UNREGISTER}):
+        fake.on(o, lambda req, f: None, times=None)
+    sent = len(fake.requests())
+    calls = [asyncio.create_task(ctx.lookup(toks)), asyncio.create_task(ctx.retrieve(toks)),
+             asyncio.create_task(ctx.store(kv, tokens_for(C, seed=80)))]
+    await eventually(lambda: len(fake.requests()) >= sent + 3, what="the three calls were sent")
+    _, exc, elapsed = await timed(ctx.aclose())
+    assert exc is None, repr(exc)
+    within(elapsed, lmkv_session.CLOSE_BUDGET, late=SLACK, what="aclose on a silent server")
+    assert ctx.closed
+    # not CancelledError: these callers were never cancelled
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(o, lmkv.ClosedError) for o in outcomes), outcomes
+    assert UNREGISTER in [r.op for r in fake.requests()] and not fake.registered
+    with pytest.raises(lmkv.ClosedError):
+        await ctx.lookup(toks)
