@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import pickle
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
+from timing import eventually
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -385,3 +387,158 @@ async def test_leak_check_sees_a_missing_commit_only_while_registered(
         with pytest.raises(AssertionError, match=lock):
             await assert_quiescent(ctx, timeout=1.0)
     await assert_quiescent(server)  # swept by unregister: invisible from here
+
+
+def mapping_rss_bytes(address: int) -> int:
+    """Resident bytes of this process's mapping starting at ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_prefault_populates_the_shm_mapping(
+    version: str, server_factory: Callable[..., LocalServer]
+) -> None:
+    """prefault=True maps every page of the pool into this process at connect (smaps Rss
+    of the mapping = its size); prefault=False leaves it unpopulated. Both work."""
+    server = server_factory(version, shm=True)
+    for prefault in (True, False):
+        async with checked_context(server, model_name(), layout=LAYOUT,
+                                   prefault=prefault) as ctx:
+            pool = ctx._s.pool
+            assert ctx.transport == "shm" and pool is not None
+            rss = mapping_rss_bytes(pool.address)
+            if prefault:
+                assert rss == pool.size, (rss, pool.size)
+            else:
+                assert rss < pool.size // 100, (rss, pool.size)
+            toks = tokens_for(2 * ctx.chunk_size)
+            kv = random_kv(LAYOUT, len(toks), seed=14)
+            await ctx.store(kv, toks)
+            out = await ctx.retrieve(toks)
+            assert out is not None and same_bits(out, kv)
+            if not prefault:  # only the pages of the touched slots were faulted in
+                assert 0 < mapping_rss_bytes(pool.address) < pool.size // 100
+
+
+async def test_mla_layout_end_to_end(server: LocalServer) -> None:
+    """use_mla=True: one plane ([1, L, T, D]) stored, looked up, retrieved bit-exact,
+    dense and paged ([NB, 1, NH, BS, HS])."""
+    layout = lmkv.KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16,
+                           use_mla=True)
+    assert layout.planes == 1 and layout.chunk_shape(256) == (2, 256, 64)
+    async with checked_context(server, model_name(), layout=layout) as ctx:
+        C = ctx.chunk_size
+        toks = tokens_for(2 * C + 5)
+        kv = random_kv(layout, len(toks), seed=15)
+        assert kv.shape == (1, 2, len(toks), 64)
+        res = await ctx.store(kv, toks)
+        assert (res.written_chunks, res.ignored_tokens) == (2, 5)
+        assert await ctx.lookup(toks) == 2 * C
+        out = await ctx.retrieve(toks)
+        assert out is not None and out.shape == (1, 2, 2 * C, 64)
+        assert same_bits(out, kv[:, :, : 2 * C])
+        with pytest.raises(lmkv.LayoutMismatchError):  # two planes do not fit an MLA layout
+            await ctx.store(torch.zeros(2, 2, C, 64, dtype=torch.bfloat16), toks[:C])
+        nb = 2 * C // layout.block_size
+        # paged MLA caches are [NB, BS, D] per layer: no plane or head axis
+        caches = [torch.zeros(nb + 3, layout.block_size, 64, dtype=torch.bfloat16)
+                  for _ in range(layout.num_layers)]
+        ids = list(range(3, nb + 3))
+        assert await ctx.retrieve_blocks(toks, caches, ids) == 2 * C
+        for layer, cache in enumerate(caches):
+            assert same_bits(cache[3:].reshape(1, 2 * C, 64), kv[:, layer, : 2 * C])
+            assert bool((cache[:3] == 0).all())
+        other = tokens_for(2 * C)
+        assert (await ctx.store_blocks(caches, ids, other)).written_chunks == 2
+        back = await ctx.retrieve(other)
+        assert back is not None and same_bits(back, kv[:, :, : 2 * C])
+
+
+async def test_connect_validates_arguments_before_any_traffic(server: LocalServer) -> None:
+    bad: list[dict[str, Any]] = [
+        {"model_name": ""}, {"model_name": "a@b"}, {"model_name": "a\x00b"},
+        {"model_name": 5}, {"layout": {"num_layers": 2}}, {"layout": (2, 2, 64)},
+        {"sockets": 0}, {"sockets": -1}, {"sockets": True}, {"sockets": 1.5}, {"sockets": "2"},
+        {"timeout": 0}, {"timeout": -1}, {"timeout": float("nan")}, {"timeout": float("inf")},
+        {"timeout": "1"}, {"transport": "rdma"}, {"url": ""}, {"url": "http://h:1"},
+        {"http_url": "tcp://127.0.0.1:1"},
+    ]
+    for override in bad:
+        args: dict[str, Any] = {"url": server.url, "http_url": server.http_url,
+                                "model_name": model_name(), "layout": LAYOUT}
+        args.update(override)
+        with pytest.raises(lmkv.InvalidInputError):  # raised by connect() itself, unawaited
+            lmkv.connect(args.pop("url"), args.pop("http_url"), args.pop("model_name"), **args)
+    await assert_quiescent(server)  # nothing was registered
+    # a bare host:port is a tcp:// endpoint
+    bare = server.url.removeprefix("tcp://")
+    async with lmkv.connect(bare, server.http_url, model_name(), layout=LAYOUT) as ctx:
+        assert ctx.url == server.url
+        toks = tokens_for(ctx.chunk_size)
+        kv = random_kv(LAYOUT, len(toks), seed=16)
+        await ctx.store(kv, toks)
+        out = await ctx.retrieve(toks)
+        assert out is not None and same_bits(out, kv)
+        await assert_quiescent(ctx)
+    await assert_quiescent(server)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_pickle_transport_on_a_pickle_server(
+    version: str, server_factory: Callable[..., LocalServer]
+) -> None:
+    server = server_factory(version, shm=False)
+    async with checked_context(server, model_name(), layout=LAYOUT, transport="pickle") as ctx:
+        assert ctx.transport == "pickle" and ctx._s.pool is None
+        toks = tokens_for(2 * ctx.chunk_size)
+        kv = random_kv(LAYOUT, len(toks), seed=17)
+        assert (await ctx.store(kv, toks)).written_chunks == 2
+        out = await ctx.retrieve(toks)
+        assert out is not None and same_bits(out, kv)
+
+
+async def test_aclose_waits_for_operations_in_flight(server: LocalServer) -> None:
+    """aclose() while calls are running: they finish normally (not cancelled), then the
+    context unregisters; later calls raise ClosedError; the server ends clean."""
+    ctx = await lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT)
+    C = ctx.chunk_size
+    seqs = [tokens_for(2 * C) for _ in range(6)]
+    kvs = [random_kv(LAYOUT, 2 * C, seed=200 + i) for i in range(6)]
+    for kv, toks in zip(kvs[:3], seqs[:3], strict=True):
+        await ctx.store(kv, toks)
+    await assert_quiescent(ctx)  # no release step of the set-up left in flight
+    started = 0
+
+    async def call(coro: Any) -> Any:
+        nonlocal started
+        started += 1  # the call passes its open-context check in this same step
+        return await coro
+
+    calls = [asyncio.create_task(call(ctx.retrieve(t))) for t in seqs[:3]]
+    calls += [asyncio.create_task(call(ctx.store(kv, t)))
+              for kv, t in zip(kvs[3:], seqs[3:], strict=True)]
+    await eventually(lambda: started == 6 and ctx._transport.connections[0].in_flight > 0,
+                     what="six calls started, requests in flight")
+    await ctx.aclose()
+    assert ctx.closed
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for out, kv in zip(results[:3], kvs[:3], strict=True):
+        assert isinstance(out, torch.Tensor) and same_bits(out, kv), out
+    assert all(isinstance(r, lmkv.StoreResult) and r.written_chunks == 2
+               for r in results[3:]), results[3:]
+    with pytest.raises(lmkv.ClosedError):
+        await ctx.retrieve(seqs[0])
+    await assert_quiescent(server)
+    # the stores that were in flight at aclose() were committed
+    async with checked_context(server, ctx.model_name, layout=LAYOUT) as again:
+        for kv, toks in zip(kvs, seqs, strict=True):
+            out = await again.retrieve(toks)
+            assert out is not None and same_bits(out, kv)
