@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import VERSIONS, assert_no_leaks
+from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
 from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
@@ -26,7 +26,7 @@ async def test_discovered_layout_matches_engine(
     model = f"discover-{version}"
     reg = register_engine(server, model=model, num_layers=3, num_kv_heads=4, head_dim=32,
                           block_size=16, dtype="float16")
-    async with lmkv.connect(server.url, server.http_url, model) as ctx:
+    async with checked_context(server, model, allowed_instance_ids=reg.instance_ids) as ctx:
         assert ctx.layout == lmkv.KVLayout(num_layers=3, num_kv_heads=4, head_dim=32,
                                            dtype=torch.float16, block_size=16)
         toks = tokens_for(2 * ctx.chunk_size)
@@ -47,7 +47,7 @@ async def test_explicit_layout_needs_no_engine(
     server = server_factory(version, transfer_mode="engine_driven")
     assert not server.status().get("cache_context_meta")
     layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
-    async with lmkv.connect(server.url, server.http_url, "explicit", layout=layout) as ctx:
+    async with checked_context(server, "explicit", layout=layout) as ctx:
         toks = tokens_for(ctx.chunk_size)
         kv = random_kv(layout, len(toks), seed=12)
         await ctx.store(kv, toks)
@@ -74,10 +74,31 @@ async def test_dialect_chosen_from_version(
 ) -> None:
     server = server_factory(version)
     layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
-    async with lmkv.connect(server.url, server.http_url, "dialect", layout=layout) as ctx:
+    async with checked_context(server, "dialect", layout=layout) as ctx:
         expected = lmkv.wire.DIALECT_052 if version == "0.5.2" else lmkv.wire.DIALECT_056
         assert ctx.dialect is expected
         # the request loop is alive after everything we sent (a wrong op id would kill it)
         conn = ctx._transport.pick()
         assert await conn.probe(wire_requests.noop(ctx.dialect), timeout=5) == "OK"
     assert_no_leaks(server)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_chunk_size_must_be_a_multiple_of_block_size(
+    version: str, server_factory: Callable[..., LocalServer]
+) -> None:
+    """A server with --chunk-size 200: block_size 16 is refused before registering,
+    block_size 8 (200 = 25 * 8) works end to end."""
+    server = server_factory(version, chunk_size=200)
+    bad = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16)
+    with pytest.raises(lmkv.InvalidInputError, match="not a multiple of block_size 16"):
+        await lmkv.connect(server.url, server.http_url, "chunk200", layout=bad)
+    await assert_quiescent(server)  # nothing registered
+    good = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=8)
+    async with checked_context(server, "chunk200", layout=good) as ctx:
+        assert ctx.chunk_size == 200
+        toks = tokens_for(2 * 200 + 7)
+        kv = random_kv(good, len(toks), seed=13)
+        assert (await ctx.store(kv, toks)).written_chunks == 2
+        out = await ctx.retrieve(toks)
+        assert out is not None and same_bits(out, kv[:, :, :400])

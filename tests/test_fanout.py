@@ -392,3 +392,37 @@ async def test_four_sockets_two_gpu_workers(version: str,
             assert out is not None and same_bits(out, kv)
         assert len([i for i, n in used.items() if n > 0]) >= 2, f"requests per socket: {used}"
         assert busy_peak >= 2, "never more than one socket busy at once"
+
+
+async def test_many_calls_with_a_salt(ctx: lmkv.AsyncKVContext) -> None:
+    C = ctx.chunk_size
+    seqs = [make_seq(ctx, k) for k in (1, 2, 1)]
+    stored = await ctx.store_many([(kv, t) for t, kv in seqs], cache_salt="tenant-a",
+                                  timeout=20)
+    assert [r.unwrap().written_chunks for r in stored] == [1, 2, 1]  # type: ignore[union-attr]
+    toks = [t for t, _ in seqs]
+    assert [r.value for r in await ctx.lookup_many(toks, cache_salt="tenant-a")] == \
+        [C, 2 * C, C]
+    assert [r.value for r in await ctx.lookup_many(toks)] == [0, 0, 0]
+    assert [r.value for r in await ctx.lookup_many(toks, cache_salt="tenant-b")] == [0, 0, 0]
+    missed = await ctx.retrieve_many(toks, cache_salt="tenant-b")
+    assert all(r.ok and r.value is None for r in missed)
+    got = await ctx.retrieve_many(toks, cache_salt="tenant-a", timeout=20)
+    for r, (_, kv) in zip(got, seqs, strict=True):
+        assert r.value is not None and same_bits(r.value, kv)
+
+
+async def test_many_calls_on_a_closed_context(server: LocalServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every item fails with ClosedError (per item, as documented), nothing is sent."""
+    ctx = await lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT)
+    toks, kv = make_seq(ctx, 1)
+    await ctx.aclose()
+    monkeypatch.setattr(ctx._transport, "pick", lambda: pytest.fail("traffic sent"))
+    for results in (await ctx.lookup_many([toks, toks]),
+                    await ctx.retrieve_many([toks, toks], outs=[out_buffer(256), None]),
+                    await ctx.store_many([(kv, toks), (kv, toks)])):
+        assert len(results) == 2
+        assert all(isinstance(r.error, lmkv.ClosedError) for r in results), results
+        with pytest.raises(lmkv.ClosedError):
+            results[0].unwrap()
