@@ -10,6 +10,7 @@ import pytest
 import torch
 from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
 from test_context import random_kv, same_bits, tokens_for
+from timing import SLACK, fast
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -65,7 +66,7 @@ async def test_lmcache_driven_server_fails_fast(
     t0 = time.monotonic()
     with pytest.raises(lmkv.UnsupportedServerError, match="--supported-transfer-mode"):
         await lmkv.connect(server.url, server.http_url, "m", layout=layout, timeout=60)
-    assert time.monotonic() - t0 < 5, "must not wait for the 60 s timeout"
+    fast(time.monotonic() - t0, limit=2 * SLACK, what="must not wait for the 60 s timeout")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
