@@ -311,6 +311,18 @@ RUNNERS = {
 }
 
 
+def bit_equal(torch: Any, got: Any, want: Any) -> tuple[bool, str]:
+    """Same dtype, same shape, same bits (integer views: NaN payloads, -0.0 count)."""
+    if got.dtype != want.dtype:
+        return False, f"dtype {got.dtype} != {want.dtype}"
+    if tuple(got.shape) != tuple(want.shape):
+        return False, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    itype = ints[got.element_size()]
+    same = bool(torch.equal(got.contiguous().view(itype), want.contiguous().view(itype)))
+    return same, "" if same else "bits differ"
+
+
 def sanity(peer: Peer) -> dict[str, Any]:
     """Store one 2-chunk prefix and check retrieve returns exactly those bytes."""
     t = 2 * peer.chunk
@@ -318,9 +330,9 @@ def sanity(peer: Peer) -> dict[str, Any]:
     toks = peer.tokens(t)
     peer.store(kv, toks)
     _, out = peer.retrieve(toks, t)
-    exact = bool(peer.torch.equal(out.to(kv.dtype), kv))
+    exact, why = bit_equal(peer.torch, out, kv)  # no cast: a dtype change is a failure
     if not exact:
-        raise RuntimeError("SDK retrieve did not return the stored bytes")
+        raise RuntimeError(f"SDK retrieve did not return the stored bytes: {why}")
     return {"retrieve_bit_exact": exact, "T": t, "shape": list(out.shape), "dtype": str(out.dtype)}
 
 

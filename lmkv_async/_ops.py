@@ -339,11 +339,13 @@ async def _store_inline(s: Session, toks: list[int], total: int, salt: str,
                          worker_id=0)
     nbytes = (total - before) * C * s.layout.token_bytes()
     d = s.d
+    shape = s.layout.chunk_shape(C)  # [2, L, C, D], or [L, C, D] for MLA (no plane axis)
 
     def encode() -> bytes:
         kv = to_dense()
         return encode_inline(
-            d, [kv[:, :, i * C:(i + 1) * C].contiguous() for i in range(before, total)])
+            d, [kv[:, :, i * C:(i + 1) * C].reshape(shape).contiguous()
+                for i in range(before, total)])
 
     try:
         data = await offload(encode, nbytes=nbytes)

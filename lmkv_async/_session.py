@@ -513,6 +513,11 @@ class Session:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                # aclose() gave up on the operation; its caller was not cancelled
+                raise ClosedError("the context was closed while the operation was in "
+                                  "flight") from None
             state.abandoned = True
             raise
         except ServerError as exc:  # errors from reply parsing name the server too

@@ -10,7 +10,12 @@ against the installed ``lmkv_async``).
   the server's own Python (lmcache-driven CPU registration, what the official
   SDK needs to discover a layout) and yields once it printed ``READY``.
 * :func:`assert_no_leaks` checks ``/status`` for sessions, locks and
-  engine-driven registrations left behind.
+  engine-driven registrations left behind (blocking; for sync tests).
+* :func:`assert_quiescent` does the same from async code, for a server or for
+  a context that is still registered: unregistering makes the server sweep a
+  context's pending SHM reads and writes, so a missing ``commit_retrieve`` or
+  ``commit_store`` only shows while the context is open.
+* :func:`checked_context` opens a context and runs both checks around it.
 
 Server interpreters come from :func:`lmkv_async.testing.find_server_python`
 (``$LMKV_LMCACHE_PYTHON_056`` / ``_052`` or ``.nox/lmcache-server-0XY``). A
@@ -20,6 +25,7 @@ missing one fails the tests that need it, unless
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -27,13 +33,15 @@ import queue
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from timing import SETTLE
 
+import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer, ServerConfig, find_server_python, server_env
 
 HERE = Path(__file__).resolve().parent
@@ -354,12 +362,13 @@ def assert_no_leaks(
     server: LocalServer,
     *,
     allowed_instance_ids: Iterable[int] = (),
-    timeout: float = 5.0,
+    timeout: float = SETTLE,
 ) -> None:
     """Assert the server holds no sessions, L1 locks or stray engine-driven registrations.
 
     Polls ``/status`` for up to ``timeout`` seconds (cleanup RPCs may still be
-    in flight on the server's worker threads) before failing.
+    in flight on the server's worker threads) before failing. It blocks the
+    thread: from async code with a context open use :func:`assert_quiescent`.
     """
     allowed = list(allowed_instance_ids)
     deadline = time.monotonic() + timeout
@@ -370,3 +379,61 @@ def assert_no_leaks(
         if time.monotonic() >= deadline:
             raise AssertionError(f"server {server!r} leaks: " + "; ".join(problems))
         time.sleep(0.1)
+
+
+async def assert_quiescent(
+    target: lmkv.AsyncKVContext | LocalServer,
+    *,
+    allowed_instance_ids: Iterable[int] = (),
+    timeout: float = SETTLE,
+) -> None:
+    """Poll ``/status`` until nothing is held, or fail after ``timeout`` seconds.
+
+    ``target`` is a server, or an open context: then its own registration
+    (``ctx.instance_id``) is the only one allowed besides ``allowed_instance_ids``
+    and must still be there, and the context must have no release steps left
+    running, before the server's read/write locks and sessions are judged. The
+    event loop keeps running while it polls, so background release steps finish.
+    """
+    allowed = {int(i) for i in allowed_instance_ids}
+    ctx = target if isinstance(target, lmkv.AsyncKVContext) else None
+    if ctx is not None:
+        allowed.add(ctx.instance_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        if ctx is not None:
+            status = await ctx.status()
+            problems = leak_report(status, allowed)
+            if ctx.instance_id not in status.get("registered_non_cuda_instance_ids", []):
+                problems.append(f"the context's own registration {ctx.instance_id} is gone")
+            running = len(ctx._s._tasks)
+            if running:
+                problems.append(f"{running} operation(s) or release step(s) still running")
+        else:
+            assert isinstance(target, LocalServer)
+            problems = leak_report(await asyncio.to_thread(target.status), allowed)
+        if not problems:
+            return
+        if time.monotonic() >= deadline:
+            where = "registered context" if ctx is not None else "server"
+            raise AssertionError(f"{where} {target!r} not quiescent after {timeout:.1f}s: "
+                                 + "; ".join(problems))
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def checked_context(
+    server: LocalServer,
+    model: str,
+    *,
+    allowed_instance_ids: Iterable[int] = (),
+    **connect_kwargs: Any,
+) -> AsyncIterator[lmkv.AsyncKVContext]:
+    """``lmkv.connect`` to ``server``; on a clean exit of the body, check the server is
+    quiescent while the context is still registered, then again after ``aclose()``."""
+    allowed = list(allowed_instance_ids)
+    async with lmkv.connect(server.url, server.http_url, model, **connect_kwargs) as ctx:
+        yield ctx
+        if not ctx.closed:
+            await assert_quiescent(ctx, allowed_instance_ids=allowed)
+    await assert_quiescent(server, allowed_instance_ids=allowed)

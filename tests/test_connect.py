@@ -8,11 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from servers import VERSIONS, assert_no_leaks
+from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
 from test_context import random_kv, same_bits, tokens_for
+from timing import SLACK, fast
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
+from lmkv_async.wire import requests as wire_requests
 
 pytestmark = pytest.mark.anyio
 
@@ -25,7 +27,7 @@ async def test_discovered_layout_matches_engine(
     model = f"discover-{version}"
     reg = register_engine(server, model=model, num_layers=3, num_kv_heads=4, head_dim=32,
                           block_size=16, dtype="float16")
-    async with lmkv.connect(server.url, server.http_url, model) as ctx:
+    async with checked_context(server, model, allowed_instance_ids=reg.instance_ids) as ctx:
         assert ctx.layout == lmkv.KVLayout(num_layers=3, num_kv_heads=4, head_dim=32,
                                            dtype=torch.float16, block_size=16)
         toks = tokens_for(2 * ctx.chunk_size)
@@ -46,7 +48,7 @@ async def test_explicit_layout_needs_no_engine(
     server = server_factory(version, transfer_mode="engine_driven")
     assert not server.status().get("cache_context_meta")
     layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32)
-    async with lmkv.connect(server.url, server.http_url, "explicit", layout=layout) as ctx:
+    async with checked_context(server, "explicit", layout=layout) as ctx:
         toks = tokens_for(ctx.chunk_size)
         kv = random_kv(layout, len(toks), seed=12)
         await ctx.store(kv, toks)
@@ -64,7 +66,7 @@ async def test_lmcache_driven_server_fails_fast(
     t0 = time.monotonic()
     with pytest.raises(lmkv.UnsupportedServerError, match="--supported-transfer-mode"):
         await lmkv.connect(server.url, server.http_url, "m", layout=layout, timeout=60)
-    assert time.monotonic() - t0 < 5, "must not wait for the 60 s timeout"
+    fast(time.monotonic() - t0, limit=2 * SLACK, what="must not wait for the 60 s timeout")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -73,28 +75,33 @@ async def test_dialect_chosen_from_version(
 ) -> None:
     server = server_factory(version)
     layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
-    async with lmkv.connect(server.url, server.http_url, "dialect", layout=layout) as ctx:
+    async with checked_context(server, "dialect", layout=layout) as ctx:
         expected = {"0.5.2": lmkv.wire.DIALECT_052, "0.5.6": lmkv.wire.DIALECT_056,
                     "0.5.7rc2": lmkv.wire.DIALECT_057}[version]
         assert ctx.dialect is expected
         assert not ctx.untested_server
         # the request loop is alive after everything we sent (a wrong op id would kill it)
         conn = ctx._transport.pick()
-        assert await conn.probe(lmkv.wire.requests.noop(ctx.dialect), timeout=5) == "OK"
+        assert await conn.probe(wire_requests.noop(ctx.dialect), timeout=5) == "OK"
     assert_no_leaks(server)
 
 
-async def test_idle_context_keeps_registration_via_heartbeat(
-    server_factory: Callable[..., LocalServer]
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_chunk_size_must_be_a_multiple_of_block_size(
+    version: str, server_factory: Callable[..., LocalServer]
 ) -> None:
-    server = server_factory("0.5.6")
-    layout = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
-    async with lmkv.connect(server.url, server.http_url, "hb", layout=layout,
-                            heartbeat_interval=0.2) as ctx:
-        import asyncio
-
-        await asyncio.sleep(1.0)
-        status = server.status()
-        assert ctx.instance_id in status["registered_non_cuda_instance_ids"]
-        assert status["worker_liveness"]["tracked_instances"] >= 1
-    assert ctx.instance_id not in server.status()["registered_non_cuda_instance_ids"]
+    """A server with --chunk-size 200: block_size 16 is refused before registering,
+    block_size 8 (200 = 25 * 8) works end to end."""
+    server = server_factory(version, chunk_size=200)
+    bad = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16)
+    with pytest.raises(lmkv.InvalidInputError, match="not a multiple of block_size 16"):
+        await lmkv.connect(server.url, server.http_url, "chunk200", layout=bad)
+    await assert_quiescent(server)  # nothing registered
+    good = lmkv.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=8)
+    async with checked_context(server, "chunk200", layout=good) as ctx:
+        assert ctx.chunk_size == 200
+        toks = tokens_for(2 * 200 + 7)
+        kv = random_kv(good, len(toks), seed=13)
+        assert (await ctx.store(kv, toks)).written_chunks == 2
+        out = await ctx.retrieve(toks)
+        assert out is not None and same_bits(out, kv[:, :, :400])

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import VERSIONS, assert_no_leaks
+from servers import VERSIONS, checked_context
 from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
@@ -39,10 +39,9 @@ def model_name() -> str:
 
 @pytest.fixture
 async def ctx(server: LocalServer) -> AsyncIterator[lmkv.AsyncKVContext]:
-    async with lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT,
-                            timeout=30) as c:
+    # checked while still registered (unregistering sweeps pending reads/writes), then after
+    async with checked_context(server, model_name(), layout=LAYOUT, timeout=30) as c:
         yield c
-    assert_no_leaks(server)
 
 
 def make_seq(ctx: lmkv.AsyncKVContext, chunks: int, extra: int = 0
@@ -324,8 +323,7 @@ async def test_concurrent_retrieves_of_one_prefix(
     """Many requests sharing one cached prefix (a system prompt) retrieved at once."""
     # private: leaked locks must not outlive this test on a shared server
     server = server_factory(version, shm=shm, private=shm)
-    async with lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT,
-                            timeout=30) as ctx:
+    async with checked_context(server, model_name(), layout=LAYOUT, timeout=30) as ctx:
         C = ctx.chunk_size
         toks, kv = make_seq(ctx, 2)
         await ctx.store(kv, toks)
@@ -336,7 +334,6 @@ async def test_concurrent_retrieves_of_one_prefix(
             assert out is not None and same_bits(out, kv)
         many = await ctx.retrieve_many(inputs, max_in_flight=8)
         assert all(r.value is not None and same_bits(r.value, kv) for r in many)
-    assert_no_leaks(server)
 
 
 # ----------------------------------------------------------------------------- several sockets
@@ -346,8 +343,8 @@ async def test_concurrent_retrieves_of_one_prefix(
 async def test_four_sockets_two_gpu_workers(version: str,
                                             server_factory: Callable[..., LocalServer]) -> None:
     server = server_factory(version, extra_args=("--max-gpu-workers", "2"))
-    async with lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT,
-                            sockets=4, timeout=30) as ctx:
+    async with checked_context(server, model_name(), layout=LAYOUT, sockets=4,
+                               timeout=30) as ctx:
         conns = ctx._transport.connections
         assert len(conns) == 4
         used: Counter[int] = Counter()
@@ -395,4 +392,37 @@ async def test_four_sockets_two_gpu_workers(version: str,
             assert out is not None and same_bits(out, kv)
         assert len([i for i, n in used.items() if n > 0]) >= 2, f"requests per socket: {used}"
         assert busy_peak >= 2, "never more than one socket busy at once"
-    assert_no_leaks(server)
+
+
+async def test_many_calls_with_a_salt(ctx: lmkv.AsyncKVContext) -> None:
+    C = ctx.chunk_size
+    seqs = [make_seq(ctx, k) for k in (1, 2, 1)]
+    stored = await ctx.store_many([(kv, t) for t, kv in seqs], cache_salt="tenant-a",
+                                  timeout=20)
+    assert [r.unwrap().written_chunks for r in stored] == [1, 2, 1]  # type: ignore[union-attr]
+    toks = [t for t, _ in seqs]
+    assert [r.value for r in await ctx.lookup_many(toks, cache_salt="tenant-a")] == \
+        [C, 2 * C, C]
+    assert [r.value for r in await ctx.lookup_many(toks)] == [0, 0, 0]
+    assert [r.value for r in await ctx.lookup_many(toks, cache_salt="tenant-b")] == [0, 0, 0]
+    missed = await ctx.retrieve_many(toks, cache_salt="tenant-b")
+    assert all(r.ok and r.value is None for r in missed)
+    got = await ctx.retrieve_many(toks, cache_salt="tenant-a", timeout=20)
+    for r, (_, kv) in zip(got, seqs, strict=True):
+        assert r.value is not None and same_bits(r.value, kv)
+
+
+async def test_many_calls_on_a_closed_context(server: LocalServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every item fails with ClosedError (per item, as documented), nothing is sent."""
+    ctx = await lmkv.connect(server.url, server.http_url, model_name(), layout=LAYOUT)
+    toks, kv = make_seq(ctx, 1)
+    await ctx.aclose()
+    monkeypatch.setattr(ctx._transport, "pick", lambda: pytest.fail("traffic sent"))
+    for results in (await ctx.lookup_many([toks, toks]),
+                    await ctx.retrieve_many([toks, toks], outs=[out_buffer(256), None]),
+                    await ctx.store_many([(kv, toks), (kv, toks)])):
+        assert len(results) == 2
+        assert all(isinstance(r.error, lmkv.ClosedError) for r in results), results
+        with pytest.raises(lmkv.ClosedError):
+            results[0].unwrap()

@@ -28,7 +28,8 @@ from lmkv_async.errors import (
     TransportUnavailableError,
 )
 
-BACKENDS = ["c", "torch"] if kc.kernel_available() else ["torch"]
+# Always both: a missing C extension must fail its tests, not drop them from the run.
+BACKENDS = ["c", "torch"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -41,6 +42,33 @@ HYP = settings(
         HealthCheck.function_scoped_fixture,  # kernel_mode only flips a global switch
     ],
 )
+
+
+def require_c() -> None:
+    """Fail (never skip) when the C kernel is not built."""
+    if not kc.kernel_available():
+        pytest.fail("the C copy kernel lmkv_async._copy is not built (python setup.py "
+                    "build_ext --inplace, or install the package)", pytrace=False)
+
+
+def backends() -> list[str]:
+    """Both backends for a loop; fails if "c" is not built (some calls, e.g. empty
+    copies, would otherwise pass without ever reaching the missing kernel)."""
+    require_c()
+    return BACKENDS
+
+
+@pytest.fixture(autouse=True)
+def _c_backend_present(request: pytest.FixtureRequest) -> None:
+    # a test parametrized with backend="c" fails at once when the kernel is missing
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "c":
+        require_c()
+
+
+def test_c_kernel_is_built() -> None:
+    require_c()
+    assert kc._use_c("auto") and kc._use_c("c")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -64,8 +92,7 @@ def kernel_mode(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the C kernel either as shipped or with threads + streaming stores forced on
     for every size (small tests then exercise the pool and the alignment fallback)."""
     if request.param == "parallel":
-        if not kc.kernel_available():
-            pytest.skip("C kernel not built")
+        require_c()
         prev = kc._ext.set_thresholds(0, 0)
         threads = kc.num_threads()
         kc.set_num_threads(2)
@@ -217,7 +244,7 @@ def test_pack_unpack_match_reference(g: dict[str, Any], kernel_mode: str) -> Non
     bt_list = bt if isinstance(bt, list) else bt.tolist()
     expect = ref_pack(caches, bt_list, T)
     results = []
-    for backend in BACKENDS:
+    for backend in backends():
         dst = make_dense(g, T, gen)
         kc.paged_to_dense(dst, caches, bt, backend=backend)
         assert same(dst, expect), backend
@@ -226,7 +253,7 @@ def test_pack_unpack_match_reference(g: dict[str, Any], kernel_mode: str) -> Non
     src = make_dense(g, T, gen)
     ref_caches = [c.clone() for c in caches]
     ref_unpack(src, ref_caches, bt_list)
-    for backend in BACKENDS:
+    for backend in backends():
         mine = [c.clone() for c in caches]
         if g["cache_layout"] == "nhd_permuted" and not g["mla3"]:
             mine = [m.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4) for m in mine]
@@ -245,7 +272,7 @@ def test_chunks_dense_match_reference(g: dict[str, Any], kernel_mode: str) -> No
     # a random subset of chunks, in random order
     ks = [k for k in range(nchunks) if rnd.random() < 0.8]
     rnd.shuffle(ks)
-    for backend in BACKENDS:
+    for backend in backends():
         pool = Pool([chunk_bytes(g, T, k) for k in ks], rnd, unaligned=g["unaligned"])
         placements = list(zip(ks, pool.addrs, strict=True))
         before = pool.buf.clone()
@@ -279,7 +306,7 @@ def test_paged_chunks_match_reference(g: dict[str, Any], kernel_mode: str) -> No
     ks = list(range(nchunks))
     rnd.shuffle(ks)
     out = {}
-    for backend in BACKENDS:
+    for backend in backends():
         pool = Pool([chunk_bytes(g, T, k) for k in ks], rnd, unaligned=g["unaligned"])
         placements = list(zip(ks, pool.addrs, strict=True))
         kc.paged_to_chunks(
@@ -321,7 +348,7 @@ def test_region_per_chunk_tensor_placements() -> None:
     src = rand_bits((2, 3, 40, 16), torch.bfloat16, gen)
     chunks = [torch.empty((2, 3, n, 16), dtype=torch.bfloat16) for n in (16, 16, 8)]
     placements, regions = kc.tensor_placements(chunks)
-    for backend in BACKENDS:
+    for backend in backends():
         kc.dense_to_chunks(src, placements, chunk_tokens=16, region=regions, backend=backend)
         assert same(torch.cat(chunks, dim=2), src)
         dst = torch.zeros_like(src)
@@ -557,7 +584,7 @@ def test_backend_c_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_empty_is_noop() -> None:
     s = _setup_small()
     _fresh_dests(s)
-    for backend in BACKENDS:
+    for backend in backends():
         kc.chunks_to_dense(s["dst"], [], chunk_tokens=8, region=s["region"], backend=backend)
         kc.paged_to_dense(s["dst"][:, :, :0], s["caches"], [], backend=backend)
         kc.chunks_to_paged(
@@ -576,13 +603,13 @@ def test_empty_is_noop() -> None:
 # --------------------------------------------------------------------------- runtime
 
 
-@pytest.mark.skipif(not kc.kernel_available(), reason="C kernel not built")
 def test_gil_released_during_copy() -> None:
     """While a big C copy runs in a thread, the main thread keeps executing Python.
 
     With the GIL held, the main thread would stall for the whole C call, i.e.
     most of each measured interval; released, it never stalls for long.
     """
+    require_c()
     src = torch.ones((2, 4, 16384, 1024), dtype=torch.bfloat16)  # 256 MiB
     pool = torch.empty(src.numel() * 2, dtype=torch.uint8)
     step = pool.numel() // 64
@@ -645,10 +672,10 @@ def test_offload_inline_and_threaded() -> None:
     assert seen == ["a-True", "b+False"]
 
 
-@pytest.mark.skipif(not kc.kernel_available(), reason="C kernel not built")
 def test_concurrent_callers_share_the_pool() -> None:
     """Several Python threads copying at once: one gets the pool, the others run
     on their own thread; every result must be exact."""
+    require_c()
     prev = kc._ext.set_thresholds(0, 0)
     try:
         gen = torch.Generator().manual_seed(5)
@@ -674,8 +701,8 @@ def test_concurrent_callers_share_the_pool() -> None:
         kc._ext.set_thresholds(*prev)
 
 
-@pytest.mark.skipif(not kc.kernel_available(), reason="C kernel not built")
 def test_thread_count_from_environment() -> None:
+    require_c()
     code = "from lmkv_async import kernel; print(kernel.num_threads())"
     # the child imports the same lmkv_async as this process (installed, or via PYTHONPATH)
     env = {**os.environ, "LMKV_COPY_THREADS": "3"}
@@ -687,8 +714,7 @@ def test_thread_count_from_environment() -> None:
 
 def test_fork_resets_pool() -> None:
     """A child forked after the pool started can still run parallel copies."""
-    if not kc.kernel_available() or not hasattr(os, "fork"):
-        pytest.skip("needs the C kernel and fork")
+    require_c()
     prev = kc._ext.set_thresholds(0, -1)
     try:
         src = torch.arange(1 << 16, dtype=torch.int32).view(2, 2, 64, 256)

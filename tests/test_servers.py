@@ -300,3 +300,26 @@ def test_pool_evicts_least_recently_used(tmp_path: Path) -> None:
     finally:
         pool.stop_all()
     assert pool.running() == []
+
+
+def test_sdk_peer_comparison_is_bit_exact() -> None:
+    """The SDK peer's sanity check compares bits, dtype and shape, never a cast value."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("sdk_peer", SDK_PEER)
+    assert spec is not None and spec.loader is not None
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    a = torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16)
+    assert peer.bit_equal(torch, a, a.clone()) == (True, "")
+    other_nan = a.clone()
+    other_nan.view(torch.int16)[1] += 1  # another NaN payload: torch.equal cannot see it
+    assert not peer.bit_equal(torch, other_nan, a)[0]
+    neg_zero = a.clone()
+    neg_zero[2] = -0.0  # equal as a number, different bits
+    assert not peer.bit_equal(torch, neg_zero, a)[0]
+    # a float32 copy holds the same values, but is not what was stored
+    assert peer.bit_equal(torch, a.float(), a) == (False, "dtype torch.float32 != torch.bfloat16")
+    assert "shape" in peer.bit_equal(torch, a[:2], a)[1]
