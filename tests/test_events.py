@@ -12,9 +12,7 @@ import gc
 import json
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from servers import server_python
+from storer import LmcacheStorer, astore
 
 import lmkv_async as lmkv
 from lmkv_async.errors import ProtocolError, UnsupportedOperationError
@@ -40,8 +39,6 @@ from lmkv_async.wire.events import (
 )
 from lmkv_async.wire.frames import pack
 
-HERE = Path(__file__).resolve().parent
-STORE_SCRIPT = HERE / "server_scripts" / "lmcache_store.py"
 LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                        block_size=16)
 C = 256
@@ -132,62 +129,6 @@ def test_chunk_hashes_match_the_server_package() -> None:
 
 
 # ------------------------------------------------------------------ live helpers
-class LmcacheStorer:
-    """``lmcache_store.py``: lmcache-driven stores on command (what vLLM's adapter does)."""
-
-    def __init__(self, server: LocalServer, model: str) -> None:
-        self.log = open(server.log_path.parent / f"storer-{model}-{server.zmq_port}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [server.config.python, str(STORE_SCRIPT), "--url", server.url, "--model", model,
-             "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64",
-             "--block-size", "16", "--num-blocks", "256"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=server_env(),
-            text=True)
-        line = self._line(120)
-        assert line.startswith("READY "), line
-        self.instance_id = int(json.loads(line[6:])["instance_id"])
-
-    def _line(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line:
-                return line.strip()
-            if self.proc.poll() is not None:
-                break
-        raise AssertionError(f"lmcache_store.py said nothing (rc={self.proc.poll()})")
-
-    def store(self, tokens: list[int], salt: str = "") -> None:
-        assert self.proc.stdin is not None
-        # A fresh request id each time: the server caches a session's chunk hashes
-        # by request id, so a reused id would store new tokens under old hashes.
-        self.proc.stdin.write(json.dumps({"op": "store", "id": f"s-{uuid.uuid4().hex}",
-                                          "tokens": tokens, "salt": salt}) + "\n")
-        self.proc.stdin.flush()
-        line = self._line(60)
-        assert line.startswith("OK "), line
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-            except OSError:
-                pass
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self.log.close()
-
-
-async def astore(storer: LmcacheStorer, tokens: list[int], salt: str = "") -> None:
-    await asyncio.to_thread(storer.store, tokens, salt)
-
-
 async def next_of(it: Any, kind: type | tuple[type, ...], timeout: float = 10.0) -> Any:
     """The next item of ``kind`` (skipping others), within ``timeout``."""
     deadline = time.monotonic() + timeout
