@@ -396,11 +396,10 @@ class KVEventStream:
                 await self.aclose()
                 raise ClosedError("the KV-event stream's connection was lost")
             if self._incarnation is not None:
+                # Hand this out now; the next call waits for the server and resubscribes.
                 self._pending.append(KVResync("disconnected", self._incarnation, self._cursor,
                                               False, False))
-            await self._wait_reconnected()
-            await self._subscribe()
-            return
+                return
         # No subscription (e.g. the first one found the server gone): wait, retry.
         await self._wait_reconnected()
         await self._subscribe()

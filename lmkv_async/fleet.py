@@ -219,6 +219,8 @@ class FleetMember:
         self.exact = True
         self.own_written = 0
         self._own_inflight = 0
+        #: engine-driven stores on the server before the fleet attached (this incarnation)
+        self.unbound_baseline = 0
         self.has_events = False
 
     def __repr__(self) -> str:
@@ -240,6 +242,12 @@ class FleetMember:
     def chunk_size(self) -> int:
         """The server's chunk size (0 until joined)."""
         return self.session.chunk_size if self.session else 0
+
+    @property
+    def connected(self) -> bool:
+        """Whether the member's lookup socket has a live connection right now."""
+        s = self.session
+        return s is not None and s.transport.connections[0].connected
 
     @property
     def synced(self) -> bool:
@@ -290,6 +298,11 @@ class FleetMember:
         self.state, self.error = "down", exc
         self._wake.set()
 
+    def _note_timeout(self, exc: KVCacheError) -> None:
+        self._failures += 1
+        if self._failures >= DOWN_AFTER:
+            self._mark_down(exc)
+
     def _down_error(self) -> KVCacheError:
         return ServerUnavailableError(f"marked down ({self.error})", op="lookup",
                                       server=self.url)
@@ -339,10 +352,18 @@ class FleetMember:
         if not isinstance(kv, dict) or kv.get("incarnation") != self.incarnation:
             return  # not ours yet (the stream has not seen this incarnation)
         unbound = int(kv.get("unbound_stores", 0))
-        if unbound > self.own_written + self._own_inflight and self.exact:
-            log.info("%s: %d engine-driven stores the fleet did not make; answering it with "
-                     "lookups until the server restarts", self.name,
-                     unbound - self.own_written)
+        if self.audited_incarnation != self.incarnation:
+            # First audit of this incarnation: engine-driven stores made before the
+            # fleet attached are invisible to the index (the counter is server-wide,
+            # every model). strict_index refuses to answer from the index after any.
+            self.unbound_baseline = unbound - self.own_written - self._own_inflight
+            if self.fleet.strict_index and self.unbound_baseline > 0:
+                self.exact = False
+        foreign = unbound - self.unbound_baseline - self.own_written - self._own_inflight
+        if foreign > 0 and self.exact:
+            log.info("%s: %d engine-driven stores the fleet did not make (any model); "
+                     "answering it with lookups until the server restarts", self.name,
+                     foreign)
             self.exact = False
         self.audited_incarnation = self.incarnation
 
@@ -389,7 +410,7 @@ class FleetMember:
             if ev.discard:
                 index.discard(self.name)
             if ev.reason == "restart":
-                self.own_written, self.exact = 0, True
+                self.own_written, self.unbound_baseline, self.exact = 0, 0, True
             if ev.incarnation != self.incarnation:
                 self.incarnation = ev.incarnation
                 self._wake.set()  # audit now, not at the next interval
@@ -424,9 +445,7 @@ class FleetMember:
         try:
             hit = await _ops.lookup(s, toks, salt, n, deadline)
         except ServerTimeoutError as exc:
-            self._failures += 1
-            if self._failures >= DOWN_AFTER:
-                self._mark_down(exc)
+            self._note_timeout(exc)
             return exc
         except (ServerUnavailableError, ClosedError) as exc:
             self._mark_down(exc)
@@ -533,6 +552,11 @@ class Fleet:
             with no registration for the model (a lookup needs one);
             ``"always"`` / ``"never"``.
         audit_interval: seconds between ``/status`` audits of event-following members.
+        strict_index: answer a member from the index only if its server had no
+            engine-driven store at all before the fleet attached (the server counts
+            them for every model together; their objects emit no event). By default
+            those earlier stores are assumed gone or of other models; stores that
+            happen while the fleet is attached always switch the member to lookups.
         probe_backoff: first and longest delay between probes of a down member.
     """
 
@@ -551,6 +575,7 @@ class Fleet:
         registration: Registration = "auto",
         audit_interval: float = 1.0,
         probe_backoff: tuple[float, float] = (0.1, 5.0),
+        strict_index: bool = False,
     ) -> None:
         if servers is None:
             servers = {}
@@ -576,6 +601,7 @@ class Fleet:
         self.registration: Registration = registration
         self.audit_interval = check_timeout(audit_interval, 1.0)
         self.probe_backoff = probe_backoff
+        self.strict_index = bool(strict_index)
         self._api_key_arg = api_key
         self._api_key = resolve_api_key(api_key)
         self.coordinator_url = coordinator_url
@@ -703,7 +729,7 @@ class Fleet:
                 out[name], out.sources[name] = member._down_error(), "down"
             elif n == 0:
                 out[name], out.sources[name] = 0, "lookup"
-            elif source in ("auto", "index") and member.synced:
+            elif source in ("auto", "index") and member.synced and member.connected:
                 synced.append(name)
             elif source == "index":
                 out[name] = UnsupportedOperationError("not synced with its event stream",
@@ -717,16 +743,18 @@ class Fleet:
                 out[name], out.sources[name] = chunks * C, "index"
         if direct:
             done, _ = await asyncio.wait(direct.values(),
-                                               timeout=max(0.0, deadline - time.monotonic()))
+                                         timeout=max(0.0, deadline - time.monotonic()))
             for name, task in direct.items():
                 out.sources[name] = "lookup"
                 if task in done:
                     out[name] = task.result()
                 else:
                     task.cancel()  # the sequence's release steps still run (shielded)
-                    out[name] = ServerTimeoutError("no answer within the fleet deadline",
-                                                   op="lookup", server=self._members[name].url,
-                                                   timeout=t)
+                    late = ServerTimeoutError("no answer within the fleet deadline",
+                                              op="lookup", server=self._members[name].url,
+                                              timeout=t)
+                    self._members[name]._note_timeout(late)
+                    out[name] = late
         # keep the members' order
         ordered = FleetLookup()
         for name in self._members:

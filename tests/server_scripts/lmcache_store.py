@@ -84,6 +84,9 @@ def main() -> None:
                 future = adapter.store_futures.pop(rid)
                 adapter.store_events.pop(rid, None)
                 ok = future.result(timeout=30)
+                # vLLM ends a request's server session when the request finishes;
+                # do the same, or the session stays until its TTL.
+                adapter.req_client.end_session(rid).result(timeout=10)
                 print("OK " + json.dumps({"id": rid, "result": bool(ok)}), flush=True)
             except Exception as exc:  # report and keep serving
                 traceback.print_exc()
