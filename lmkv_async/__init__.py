@@ -28,8 +28,11 @@ from .errors import (
     TransportUnavailableError,
     UnsupportedServerError,
 )
+from .events import KVEventStream
 from .fanout import ItemResult
+from .fleet import Fleet, FleetLookup, FleetMember
 from .layout import KVLayout, LayoutNotFoundError
+from .wire.events import KVRemoved, KVResync, KVStored
 
 __version__ = "0.1.0"
 
@@ -37,10 +40,17 @@ __all__ = [
     "AsyncKVContext",
     "ClosedError",
     "CopyBoundsError",
+    "Fleet",
+    "FleetLookup",
+    "FleetMember",
     "InvalidInputError",
     "ItemResult",
     "KVCacheError",
+    "KVEventStream",
     "KVLayout",
+    "KVRemoved",
+    "KVResync",
+    "KVStored",
     "LayoutMismatchError",
     "LayoutNotFoundError",
     "ProtocolError",
