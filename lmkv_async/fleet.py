@@ -36,7 +36,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -611,6 +611,9 @@ class Fleet:
             name: FleetMember(self, name, zmq, http) for name, (zmq, http) in servers.items()
         }
         self._rr = itertools.count()
+        #: called as ``f(member_name, hashes, tokens)`` after a store through the fleet
+        #: (the vLLM-event publisher announces them: they emit no LMCache event)
+        self._own_store_listeners: list[Callable[[str, Sequence[bytes], Sequence[int]], None]] = []
         self._state: Literal["new", "open", "closed"] = "new"
         self.coordinator: Any = None
 
@@ -791,11 +794,16 @@ class Fleet:
     async def _note_store(self, name: str, toks: list[int], salt: str, chunks: int) -> None:
         C = self.chunk_size
         if HAVE_NATIVE_BLAKE3:
-            self._index.add_own(name, toks, salt, chunks)  # ~6 us a chunk
+            hashes = self._index.add_own(name, toks, salt, chunks)  # ~6 us a chunk
         else:
             # Pure-Python BLAKE3 takes milliseconds a chunk: keep it off the loop.
             hashes = await asyncio.to_thread(chunk_hashes, toks[: chunks * C], C)
             self._index.add_own(name, toks, salt, chunks, hashes=hashes)
+        for listener in list(self._own_store_listeners):
+            try:
+                listener(name, hashes, toks[: chunks * C])
+            except Exception:  # a listener's bug must not fail the caller's store
+                log.exception("own-store listener failed")
 
     @property
     def index(self) -> PrefixIndex:
