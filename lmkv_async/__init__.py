@@ -31,8 +31,11 @@ from .errors import (
     UnsupportedOperationError,
     UnsupportedServerError,
 )
+from .events import KVEventStream
 from .fanout import ItemResult
+from .fleet import Fleet, FleetLookup, FleetMember
 from .layout import KVLayout
+from .wire.events import KVRemoved, KVResync, KVStored
 
 __version__ = "0.1.0"
 
@@ -41,10 +44,17 @@ __all__ = [
     "AuthenticationError",
     "ClosedError",
     "CopyBoundsError",
+    "Fleet",
+    "FleetLookup",
+    "FleetMember",
     "InvalidInputError",
     "ItemResult",
     "KVCacheError",
+    "KVEventStream",
     "KVLayout",
+    "KVRemoved",
+    "KVResync",
+    "KVStored",
     "LayoutMismatchError",
     "LayoutNotFoundError",
     "ProtocolError",

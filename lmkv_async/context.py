@@ -16,6 +16,7 @@ import torch
 from . import _ops, kernel
 from ._session import Session, TransportMode
 from .errors import InvalidInputError
+from .events import KVEventStream, require_kv_events
 from .fanout import ItemResult, run_bounded
 from .http import resolve_api_key
 from .layout import KVLayout
@@ -374,6 +375,30 @@ class AsyncKVContext:
             lambda it: self.store(it[0], it[1], cache_salt=cache_salt, timeout=timeout),
             max_in_flight,
         )
+
+    # ------------------------------------------------------------------ KV events
+    def kv_events(self, *, cursor: int = 0, max_events: int = 256,
+                  resume: bool = True) -> KVEventStream:
+        """The server's KV-event stream (lmcache >= 0.5.6): see :class:`KVEventStream`.
+
+        ``async for ev in ctx.kv_events():`` yields ``KVStored``, ``KVRemoved`` and
+        ``KVResync`` records on a socket of its own; leaving the loop (or
+        ``async with``) cancels the subscription. It does not end with the
+        context: close it yourself. Stores made through this client (engine-driven)
+        produce no ``KVStored`` event (compat.md §14.5); evictions of them do
+        produce ``KVRemoved``.
+
+        Raises:
+            UnsupportedOperationError: the server's release has no stream (nothing
+                is sent: 0.5.2 would die on the op's name).
+            ClosedError: the context is closed.
+        """
+        self._s.check_open()
+        require_kv_events(self._s.d, self._s.capabilities, self.url, self._s.server_version)
+        return KVEventStream(self.url, self._s.d, self.model_name, cursor=cursor,
+                             max_events=max_events, timeout=self.timeout,
+                             heartbeat_interval=self._s.heartbeat_interval or 10.0,
+                             resume=resume)
 
     # ------------------------------------------------------------------ maintenance
     async def status(self) -> dict[str, Any]:

@@ -39,7 +39,16 @@ def check_tokens(tokens: Tokens) -> list[int]:
             raise InvalidInputError(f"token ids must be in [0, 2**32); got range [{lo}, {hi}]")
         out: list[int] = tokens.tolist()
         return out
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+    if _is_array_like(tokens):
+        # NumPy and friends, duck-typed so numpy is never imported: a 1-D array of
+        # an integer kind ("i" signed, "u" unsigned); tolist() gives Python ints.
+        kind = getattr(getattr(tokens, "dtype", None), "kind", None)
+        if getattr(tokens, "ndim", None) != 1 or kind not in ("i", "u"):
+            raise InvalidInputError(
+                f"tokens array must be 1-D of an integer dtype, got shape "
+                f"{getattr(tokens, 'shape', '?')} dtype {getattr(tokens, 'dtype', '?')}")
+        tokens = tokens.tolist()  # type: ignore[attr-defined]
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
         raise InvalidInputError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
     if len(tokens) == 0:
         raise InvalidInputError("tokens must not be empty")
@@ -54,6 +63,11 @@ def check_tokens(tokens: Tokens) -> list[int]:
             f"token ids must be in [0, 2**32); got range [{min(values)}, {max(values)}]"
         )
     return values
+
+
+def _is_array_like(obj: object) -> bool:
+    return (hasattr(obj, "__array_interface__") and hasattr(obj, "tolist")
+            and hasattr(obj, "dtype") and not isinstance(obj, torch.Tensor))
 
 
 def _as_int(value: object) -> int:

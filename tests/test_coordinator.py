@@ -1,0 +1,122 @@
+"""Fleet + LMCache's coordinator (0.5.7rc2): discovery, directory answers, fallback.
+
+A real ``lmcache coordinator`` and three real servers started with
+``--coordinator-url`` and event reporting, all on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from servers import ServerPool, server_python
+from storer import LmcacheStorer, astore
+
+import lmkv_async as lmkv
+from lmkv_async.coordinator import prefix_by_instance
+from lmkv_async.testing import LocalServer, ServerConfig
+from lmkv_async.testing.coordinator import LocalCoordinator
+
+LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                       block_size=16)
+C = 256
+NAMES = ("co-a", "co-b", "co-c")
+
+
+def test_prefix_by_instance_needs_every_chunk_and_rank() -> None:
+    def r(*insts: str, tier: str = "l1") -> dict[str, Any]:
+        return {"placements": [{"instance_id": i, "tier": tier} for i in insts]}
+
+    results = [r("x", "y"), r("x"), r("x", "y"), r("y", tier="l2")]
+    assert prefix_by_instance(results, 4) == {"x": 3, "y": 1}
+    # Two ranks a chunk: a chunk counts only where both ranks are placed.
+    assert prefix_by_instance([r("x"), r("x", "y"), r("y"), r("y")], 2) == {"x": 1}
+    assert prefix_by_instance([], 0) == {}
+
+
+@pytest.fixture(scope="module")
+def coordinated(server_pool: ServerPool) -> Iterator[tuple[LocalCoordinator,
+                                                          dict[str, LocalServer]]]:
+    coord = LocalCoordinator(server_python("0.5.7rc2"),
+                             log_path=server_pool.log_dir / "coordinator.log")
+    coord.start()
+    servers: dict[str, LocalServer] = {}
+    try:
+        for name in NAMES:
+            # Started here, not through the pool: the pool names logs after the flags,
+            # and these carry a URL.
+            cfg = ServerConfig(version="0.5.7rc2", python=server_python("0.5.7rc2"),
+                               l1_size_gb=0.1, extra_args=coord.server_args(instance_id=name))
+            servers[name] = LocalServer(cfg, log_path=server_pool.log_dir / f"{name}.log")
+            servers[name].start()
+        deadline = time.monotonic() + 20
+        while len(coord.instances()) < len(NAMES):
+            assert time.monotonic() < deadline, "servers did not register"
+            time.sleep(0.2)
+        yield coord, servers
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        coord.stop()
+
+
+async def _settle(fleet: lmkv.Fleet, seq: list[int], timeout: float = 10.0) -> lmkv.FleetLookup:
+    """The directory is fed asynchronously (event flushes): wait until it agrees."""
+    deadline = time.monotonic() + timeout
+    while True:
+        co = await fleet.lookup(seq, source="coordinator", timeout=2.0)
+        real = await fleet.lookup(seq, source="lookup", timeout=2.0)
+        if dict(co) == dict(real) or time.monotonic() > deadline:
+            assert dict(co) == dict(real), (dict(co), dict(real))
+            assert set(co.sources.values()) == {"coordinator"}
+            return co
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.anyio
+async def test_discovery_directory_answers_and_fallback(
+        coordinated: tuple[LocalCoordinator, dict[str, LocalServer]]) -> None:
+    coord, servers = coordinated
+    model = f"coord-{time.monotonic_ns()}"
+    rng = random.Random(11)
+    storer = LmcacheStorer(servers["co-a"], model)
+    try:
+        # No servers given: the coordinator names them.
+        async with lmkv.Fleet(None, model_name=model, layout=LAYOUT,
+                              coordinator_url=coord.url) as fleet:
+            assert set(fleet.members) == set(NAMES)
+            assert {m.url for m in fleet.members.values()} == {s.url for s in servers.values()}
+            lm = rng.choices(range(2**31), k=3 * C)
+            await astore(storer, lm)  # lmcache-driven
+            eng = rng.choices(range(2**31), k=2 * C)
+            await fleet["co-b"].store(torch.zeros(2, 2, 2 * C, 128, dtype=torch.bfloat16), eng)
+            res = await _settle(fleet, lm)
+            assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
+            # Measured: the directory also sees engine-driven stores (no KV event).
+            res = await _settle(fleet, eng)
+            assert dict(res) == {"co-a": 0, "co-b": 2 * C, "co-c": 0}
+            assert await fleet.best(eng, source="coordinator") == ("co-b", 2 * C)
+            # ... and a store by a plain client that the fleet never saw.
+            other = rng.choices(range(2**31), k=C)
+            srv = servers["co-c"]
+            async with lmkv.connect(srv.url, srv.http_url, model, layout=LAYOUT) as ctx:
+                await ctx.store(torch.zeros(2, 2, C, 128, dtype=torch.bfloat16), other)
+                res = await _settle(fleet, other)
+                assert res["co-c"] == C
+            # The coordinator dies: answers come from the servers themselves.
+            coord.kill()
+            t0 = time.monotonic()
+            res = await fleet.lookup(lm, source="coordinator", timeout=1.0)
+            assert time.monotonic() - t0 < 1.0 + 0.3
+            assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
+            assert set(res.sources.values()) == {"lookup"}
+            assert await fleet.best(lm, source="coordinator") == ("co-a", 3 * C)
+    finally:
+        await asyncio.to_thread(storer.close)
+        if not coord.is_running():
+            coord.start()  # for other tests of the module
