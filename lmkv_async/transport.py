@@ -340,7 +340,10 @@ class Transport:
         if sockets < 1:
             raise ValueError("sockets must be >= 1")
         self.url = url
-        self._ctx = zmq.asyncio.Context()
+        # The process-wide context: one I/O thread for every transport, and no context
+        # of ours to terminate. (A context dropped unclosed in a reference cycle would
+        # block the event loop forever in its __del__ -> term().)
+        self._ctx = zmq.asyncio.Context.instance()
         self._conns = [Connection(self._ctx, url, i) for i in range(sockets)]
         self._rr = itertools.count()
 
@@ -384,7 +387,7 @@ class Transport:
         return min(order, key=lambda c: (not c.connected, c.in_flight))
 
     def close(self) -> None:
-        """Close every socket and the ZMQ context."""
+        """Close every socket (the shared ZMQ context stays)."""
         for conn in self._conns:
             conn.close()
-        self._ctx.destroy(linger=0)
+        # our sockets are closed (linger 0); the shared context stays
