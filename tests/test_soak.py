@@ -1,6 +1,6 @@
 """Soak: >= 10,000 mixed operations, 64 in flight, on one context (``nox -s soak``).
 
-Against a private lmcache 0.5.6 SHM server: stores, lookups, retrieves and
+Against a private lmcache 0.5.6 and a 0.5.7rc2 SHM server: stores, lookups, retrieves and
 retrieves into caller buffers over a few hundred token "families" (prefixes of
 one base sequence share chunks, so stores overlap and skip what is cached) plus
 a few large families (2 MiB results take the mmap/huge-page output path) and
@@ -246,12 +246,13 @@ def single_torch_thread() -> Any:
 def results_path(tmp_path: Path) -> Path:
     """Where the figures go: $LMKV_SOAK_RESULTS, else pytest's tmp dir (not the repo)."""
     env = os.environ.get("LMKV_SOAK_RESULTS")
-    return Path(env) if env else tmp_path / "soak.json"
+    return Path(env) if env else tmp_path / "soak.json"  # per version: tmp_path differs
 
 
-async def test_soak_mixed_operations(server_factory: Callable[..., LocalServer],
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.7rc2"])
+async def test_soak_mixed_operations(version: str, server_factory: Callable[..., LocalServer],
                                      single_torch_thread: Any, tmp_path: Path) -> None:
-    server = server_factory("0.5.6", private=True)
+    server = server_factory(version, private=True)
     async with lmkv.connect(server.url, server.http_url, "soak", layout=LAYOUT,
                             timeout=60) as ctx:
         assert ctx.transport == "shm"
