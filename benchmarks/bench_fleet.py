@@ -66,7 +66,7 @@ def stats(xs: list[float]) -> dict[str, Any]:
     s = sorted(xs)
     if not s:
         return {"n": 0}
-    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
     return {"n": len(s), "median_ms": statistics.median(s) * 1e3, "p99_ms": p99 * 1e3,
             "mean_ms": statistics.fmean(s) * 1e3}
 
