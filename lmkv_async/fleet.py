@@ -516,7 +516,13 @@ class FleetMember:
             self._own_inflight -= total
             self.in_flight -= 1
         if total and self.fleet.events and self.chunk_size == self.fleet.chunk_size:
-            hit = await ctx.lookup(toks, cache_salt=cache_salt, timeout=timeout)
+            try:
+                hit = await ctx.lookup(toks, cache_salt=cache_salt, timeout=timeout)
+            except KVCacheError as exc:
+                # The store itself succeeded; the index just does not learn it (a miss
+                # at worst, never a false hit).
+                log.info("%s: no lookup after a store (%s); not indexed", self.name, exc)
+                return res
             chunks = hit // ctx.chunk_size
             if chunks:
                 await self.fleet._note_store(self.name, toks, cache_salt, chunks)
