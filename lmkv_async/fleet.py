@@ -751,8 +751,13 @@ class Fleet:
             for name, chunks in self._index.longest(packed, n // C, salt, synced).items():
                 out[name], out.sources[name] = chunks * C, "index"
         if direct:
-            done, _ = await asyncio.wait(direct.values(),
-                                         timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                done, _ = await asyncio.wait(direct.values(),
+                                             timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                for task in direct.values():
+                    task.cancel()  # their release steps still run (shielded in _ops)
+                raise
             for name, task in direct.items():
                 out.sources[name] = "lookup"
                 if task in done:

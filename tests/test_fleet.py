@@ -264,6 +264,32 @@ async def test_frozen_server_never_delays_past_the_deadline_and_rejoins(
 
 
 @pytest.mark.anyio
+async def test_cancelled_lookup_leaves_nothing_behind(trio: dict[str, LocalServer]) -> None:
+    model = fresh_model()
+    seq = toks(9, 2 * C)
+    async with Fleet(urls(trio), model_name=model, layout=LAYOUT, events=False) as fleet:
+        for name in trio:
+            await fleet[name].store(kv_for(2 * C), seq)
+        trio["a"].freeze()
+        try:
+            task = asyncio.create_task(fleet.lookup(seq, timeout=5.0))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            trio["a"].resume()
+        await until(lambda: all(m.in_flight == 0 for m in fleet.members.values()), 10,
+                    "the cancelled lookups to finish their release steps")
+        assert dict(await fleet.lookup(seq)) == {"a": 2 * C, "b": 2 * C, "c": 2 * C}
+        ids = {n: [fleet[n]._ctx.instance_id] if fleet[n]._ctx else [] for n in trio}
+        light = {n: [fleet[n].session.instance_id] if fleet[n].session and
+                 fleet[n].session.light_registered else [] for n in trio}
+        await no_leaks(trio, {n: ids[n] + light[n] for n in trio})
+    await no_leaks(trio)
+
+
+@pytest.mark.anyio
 async def test_mixed_fleet_with_a_server_without_events(trio: dict[str, LocalServer],
                                                         server_factory: Any) -> None:
     old: LocalServer = server_factory("0.5.2")
