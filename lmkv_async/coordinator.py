@@ -21,6 +21,7 @@ of that instance.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -117,11 +118,11 @@ class CoordinatorClient:
         try:
             resp = await self._client.request(method, path, json=json, timeout=timeout)
         except httpx.TimeoutException:
-            self.down_since = self.down_since or time.monotonic()
+            self.down_since = time.monotonic()  # the last failure
             raise ServerTimeoutError("coordinator did not answer", op=op, server=self.url,
                                      timeout=timeout) from None
         except httpx.TransportError as exc:
-            self.down_since = self.down_since or time.monotonic()
+            self.down_since = time.monotonic()  # the last failure
             raise ServerUnavailableError(f"coordinator unreachable: {type(exc).__name__}",
                                          op=op, server=self.url) from None
         if resp.status_code == 401:
@@ -167,11 +168,38 @@ class CoordinatorClient:
 class _FleetCoordinator:
     """The fleet's view of its coordinator: instance ids mapped to member names."""
 
+    #: after a failure, the directory is not asked again for this long (seconds)
+    RETRY_AFTER = 1.0
+    #: members unknown to the coordinator are looked for again at most this often
+    REMAP_EVERY = 5.0
+
     def __init__(self, fleet: Fleet, client: CoordinatorClient) -> None:
         self.fleet = fleet
         self.client = client
         #: coordinator instance_id -> member name
         self.names: dict[str, str] = {}
+        self._remap: asyncio.Task[None] | None = None
+        self._last_remap = 0.0
+
+    def mapped(self) -> list[str]:
+        """Member names the coordinator's directory speaks for."""
+        return [n for n in self.names.values() if n in self.fleet.members]
+
+    def usable(self) -> bool:
+        """False for :data:`RETRY_AFTER` seconds after a failed call."""
+        down = self.client.down_since
+        return down is None or time.monotonic() - down > self.RETRY_AFTER
+
+    def remap_soon(self) -> None:
+        """Map members that have no instance id yet, in the background (rate-limited)."""
+        if len(self.mapped()) == len(self.fleet.members):
+            return
+        if self._remap is not None and not self._remap.done():
+            return
+        if time.monotonic() - self._last_remap < self.REMAP_EVERY:
+            return
+        self._last_remap = time.monotonic()
+        self._remap = asyncio.get_running_loop().create_task(self.map_members())
 
     async def lookup(self, toks: list[int], salt: str, deadline: float) -> dict[str, int]:
         """Prefix length in tokens per member name, from the directory."""
@@ -206,6 +234,9 @@ class _FleetCoordinator:
                 self.names[str(inst)] = name
 
     async def aclose(self) -> None:
+        if self._remap is not None:
+            self._remap.cancel()
+            await asyncio.gather(self._remap, return_exceptions=True)
         await self.client.aclose()
 
 

@@ -518,7 +518,13 @@ class FleetMember:
             self._own_inflight -= total
             self.in_flight -= 1
         if total and self.fleet.events and self.chunk_size == self.fleet.chunk_size:
-            hit = await ctx.lookup(toks, cache_salt=cache_salt, timeout=timeout)
+            try:
+                hit = await ctx.lookup(toks, cache_salt=cache_salt, timeout=timeout)
+            except KVCacheError as exc:
+                # The store itself succeeded; the index just does not learn it (a miss
+                # at worst, never a false hit).
+                log.info("%s: no lookup after a store (%s); not indexed", self.name, exc)
+                return res
             chunks = hit // ctx.chunk_size
             if chunks:
                 await self.fleet._note_store(self.name, toks, cache_salt, chunks)
@@ -695,7 +701,9 @@ class Fleet:
         ``source="auto"`` answers synced members from the index and the others with
         a direct lookup; ``"lookup"`` asks every server; ``"index"`` answers only
         from the index (unsynced members get an error value); ``"coordinator"`` asks
-        the coordinator's directory (falling back to direct lookups if it fails).
+        the coordinator's directory for the members it knows (within half the time
+        left) and answers the rest, or all of them when it fails, as ``"auto"`` does;
+        after a failure it is skipped for a second.
         A member that did not answer within the deadline gets a
         :class:`ServerTimeoutError` value; a member marked down gets a
         :class:`ServerUnavailableError` value at once.
@@ -716,20 +724,28 @@ class Fleet:
         C = self.chunk_size
         n = len(toks) // C * C if C else 0
         if source == "coordinator" and self.coordinator is not None:
-            try:
-                answers = await self.coordinator.lookup(toks, salt, deadline)
-            except KVCacheError as exc:
-                log.info("coordinator lookup failed (%s); asking the servers", exc)
-            else:
-                for name, member in self._members.items():
-                    if member.state != "up":
-                        out[name], out.sources[name] = member._down_error(), "down"
-                    else:
-                        out[name], out.sources[name] = answers.get(name, 0), "coordinator"
-                return out
+            coord = self.coordinator
+            mapped = coord.mapped()
+            if coord.usable() and n > 0 and any(
+                    self._members[k].state == "up" for k in mapped):
+                # At most half the time left: a frozen coordinator must still leave
+                # time for the direct lookups that replace it.
+                budget = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+                try:
+                    answers = await coord.lookup(toks, salt, budget)
+                except KVCacheError as exc:
+                    log.info("coordinator lookup failed (%s); asking the servers", exc)
+                else:
+                    for name in mapped:
+                        if self._members[name].state == "up":
+                            out[name], out.sources[name] = answers.get(name, 0), "coordinator"
+            coord.remap_soon()  # members the coordinator did not know yet
+            source = "auto"  # the rest: as usual (a member the directory cannot speak for)
         direct: dict[str, asyncio.Task[int | KVCacheError]] = {}
         synced = []
         for name, member in self._members.items():
+            if name in out:
+                continue  # answered by the coordinator
             if member.state != "up":
                 out[name], out.sources[name] = member._down_error(), "down"
             elif n == 0:
@@ -747,8 +763,13 @@ class Fleet:
             for name, chunks in self._index.longest(packed, n // C, salt, synced).items():
                 out[name], out.sources[name] = chunks * C, "index"
         if direct:
-            done, _ = await asyncio.wait(direct.values(),
-                                         timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                done, _ = await asyncio.wait(direct.values(),
+                                             timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                for task in direct.values():
+                    task.cancel()  # their release steps still run (shielded in _ops)
+                raise
             for name, task in direct.items():
                 out.sources[name] = "lookup"
                 if task in done:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -108,13 +109,24 @@ async def test_discovery_directory_answers_and_fallback(
                 await ctx.store(torch.zeros(2, 2, C, 128, dtype=torch.bfloat16), other)
                 res = await _settle(fleet, other)
                 assert res["co-c"] == C
+            # A frozen coordinator: it gets half the deadline, the servers the rest.
+            assert coord._proc is not None
+            coord._proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                res = await fleet.lookup(lm, source="coordinator", timeout=1.0)
+                assert time.monotonic() - t0 < 1.0 + 0.3
+                assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
+                assert "coordinator" not in res.sources.values()
+            finally:
+                coord._proc.send_signal(signal.SIGCONT)
             # The coordinator dies: answers come from the servers themselves.
             coord.kill()
             t0 = time.monotonic()
             res = await fleet.lookup(lm, source="coordinator", timeout=1.0)
             assert time.monotonic() - t0 < 1.0 + 0.3
             assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
-            assert set(res.sources.values()) == {"lookup"}
+            assert "coordinator" not in res.sources.values()
             assert await fleet.best(lm, source="coordinator") == ("co-a", 3 * C)
     finally:
         await asyncio.to_thread(storer.close)

@@ -264,6 +264,32 @@ async def test_frozen_server_never_delays_past_the_deadline_and_rejoins(
 
 
 @pytest.mark.anyio
+async def test_cancelled_lookup_leaves_nothing_behind(trio: dict[str, LocalServer]) -> None:
+    model = fresh_model()
+    seq = toks(9, 2 * C)
+    async with Fleet(urls(trio), model_name=model, layout=LAYOUT, events=False) as fleet:
+        for name in trio:
+            await fleet[name].store(kv_for(2 * C), seq)
+        trio["a"].freeze()
+        try:
+            task = asyncio.create_task(fleet.lookup(seq, timeout=5.0))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            trio["a"].resume()
+        await until(lambda: all(m.in_flight == 0 for m in fleet.members.values()), 10,
+                    "the cancelled lookups to finish their release steps")
+        assert dict(await fleet.lookup(seq)) == {"a": 2 * C, "b": 2 * C, "c": 2 * C}
+        ids = {n: [fleet[n]._ctx.instance_id] if fleet[n]._ctx else [] for n in trio}
+        light = {n: [fleet[n].session.instance_id] if fleet[n].session and
+                 fleet[n].session.light_registered else [] for n in trio}
+        await no_leaks(trio, {n: ids[n] + light[n] for n in trio})
+    await no_leaks(trio)
+
+
+@pytest.mark.anyio
 async def test_mixed_fleet_with_a_server_without_events(trio: dict[str, LocalServer],
                                                         server_factory: Any) -> None:
     old: LocalServer = server_factory("0.5.2")
@@ -351,3 +377,31 @@ async def test_aclose_leaves_nothing_on_any_server(trio: dict[str, LocalServer])
     await no_leaks(trio)
     for srv in trio.values():
         assert (await asyncio.to_thread(srv.status))["kv_events"]["subscribers"] == 0
+
+
+# ------------------------------------------------------------------ the index, no server
+def test_prefix_index_edges_salts_and_removal() -> None:
+    from lmkv_async._index import PrefixIndex
+    from lmkv_async.wire.hashing import chunk_hashes
+    from lmkv_async.wire.keys import token_bytes
+
+    idx = PrefixIndex(C)
+    seq = toks(50, 4 * C)
+    hs = chunk_hashes(seq, C)
+    packed = token_bytes(seq)
+    # Events: chunk 0 (a verified root), chunk 1 chained, chunk 3 with a lost parent.
+    idx.add_event("x", [hs[0]], None, seq[:C])
+    idx.add_event("x", [hs[1]], hs[0], seq[C:2 * C])
+    idx.add_event("x", [hs[3]], None, seq[3 * C:])  # not a root: unreachable, but held
+    assert idx.longest(packed, 4, "", ["x"]) == {"x": 2}
+    assert idx.holds("x", hs[3]) and idx.edges == 2
+    assert idx.longest(packed, 4, "tenant", ["x"]) == {"x": 0}  # events count for ""
+    idx.add_own("y", seq, "tenant", 3)
+    assert idx.longest(packed, 4, "tenant", ["x", "y"]) == {"x": 0, "y": 3}
+    idx.remove("y", [hs[1]])
+    assert idx.longest(packed, 4, "tenant", ["y"]) == {"y": 1}
+    assert idx.longest(packed, 4, "", ["x"]) == {"x": 2}  # the shared edge survives on x
+    idx.discard("x")
+    assert idx.size("x") == 0 and idx.longest(packed, 4, "", ["x"]) == {"x": 0}
+    idx.discard("y")
+    assert idx.edges == 0 and idx.size() == 0  # no server holds them: edges are dropped
