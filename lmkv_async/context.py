@@ -21,6 +21,7 @@ from .fanout import ItemResult, run_bounded
 from .http import resolve_api_key
 from .layout import KVLayout
 from .memory import RegionArg, output_pool
+from .metrics import OpStats
 from .results import StoreResult
 from .transport import Transport
 from .validate import (
@@ -55,6 +56,9 @@ class AsyncKVContext:
         self.model_name = session.model_name
         self.timeout = session.timeout
         self.instance_id = session.instance_id
+        #: per-operation counters and latency histograms (:meth:`stats`)
+        self.metrics = OpStats()
+        self._stats = self.metrics
 
     def __repr__(self) -> str:
         s = self._s
@@ -152,7 +156,8 @@ class AsyncKVContext:
         n = len(toks) // self.chunk_size * self.chunk_size
         if n == 0:
             return 0
-        return await _ops.lookup(self._s, toks, salt, n, deadline)
+        with self._stats.measure("lookup"):
+            return await _ops.lookup(self._s, toks, salt, n, deadline)
 
     # ------------------------------------------------------------------ retrieve
     async def retrieve(
@@ -195,7 +200,9 @@ class AsyncKVContext:
             kernel.chunks_to_dense(view, chunks, chunk_tokens=C, region=region)
             result.append(view)
 
-        hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
+        with self._stats.measure("retrieve") as m:
+            hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
+            m.nbytes = hit * C * layout.token_bytes()
         return result[0] if hit else None
 
     async def retrieve_blocks(
@@ -230,7 +237,9 @@ class AsyncKVContext:
             kernel.chunks_to_paged(chunks, kv_caches, bids, num_tokens=hit * C, chunk_tokens=C,
                                    dtype=dtype, region=region)
 
-        hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
+        with self._stats.measure("retrieve_blocks") as m:
+            hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
+            m.nbytes = hit * C * self.layout.token_bytes()
         return hit * C
 
     # ------------------------------------------------------------------ store
@@ -262,7 +271,7 @@ class AsyncKVContext:
         def to_chunks(chunks: list[tuple[int, int]], region: RegionArg) -> None:
             kernel.dense_to_chunks(src, chunks, chunk_tokens=C, region=region)
 
-        return await self._store(toks, salt, to_chunks, lambda: src, deadline)
+        return await self._store("store", toks, salt, to_chunks, lambda: src, deadline)
 
     async def store_blocks(
         self,
@@ -300,10 +309,11 @@ class AsyncKVContext:
             kernel.paged_to_dense(dense, kv_caches, bids)
             return dense
 
-        return await self._store(toks, salt, to_chunks, to_dense, deadline)
+        return await self._store("store_blocks", toks, salt, to_chunks, to_dense, deadline)
 
     async def _store(
         self,
+        op: str,
         toks: list[int],
         salt: str,
         to_chunks: Callable[[list[tuple[int, int]], RegionArg], None],
@@ -315,7 +325,9 @@ class AsyncKVContext:
         ignored = len(toks) - total * C
         if total == 0:
             return StoreResult(0, 0, C, ignored)
-        written = await _ops.store(self._s, toks, total, salt, to_chunks, to_dense, deadline)
+        with self._stats.measure(op) as m:
+            written = await _ops.store(self._s, toks, total, salt, to_chunks, to_dense, deadline)
+            m.nbytes = written * C * self.layout.token_bytes()
         return StoreResult(total, written, C, ignored)
 
     # ------------------------------------------------------------------ fan-out
@@ -401,6 +413,15 @@ class AsyncKVContext:
                              resume=resume)
 
     # ------------------------------------------------------------------ maintenance
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of per-operation counters and latency histograms: calls, errors by
+        type, timeouts, cancellations, bytes moved, in flight, latency quantiles.
+
+        Numbers only (no keys, tokens or tensors). For OpenTelemetry, pass
+        :attr:`metrics` to :func:`lmkv_async.metrics.register_otel`.
+        """
+        return self._stats.snapshot()
+
     async def status(self) -> dict[str, Any]:
         """The server's ``/status`` (locks, sessions, registrations).
 

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import threading
+from typing import Any
 
 import pytest
 
@@ -233,3 +234,27 @@ def test_otel_bridge_exports_counters_gauge_and_histogram() -> None:
             if dict(p.attributes).get("op") == "store"]  # type: ignore[attr-defined]
     assert hist and hist[0].count == 2  # type: ignore[attr-defined]
     assert hist[0].sum == pytest.approx(0.03)  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_context_stats_count_real_operations(server_factory: Any) -> None:
+    """ctx.stats() counts calls, bytes and errors of a real context, by operation."""
+    from test_context import LAYOUT, random_kv, tokens_for
+
+    import lmkv_async as lmkv
+
+    server = server_factory("0.5.6")
+    async with lmkv.connect(server.url, server.http_url, "stats", layout=LAYOUT) as ctx:
+        C = ctx.chunk_size
+        toks = tokens_for(2 * C)
+        await ctx.store(random_kv(LAYOUT, 2 * C, seed=1), toks)
+        assert await ctx.retrieve(toks) is not None
+        assert await ctx.lookup(toks) == 2 * C
+        with pytest.raises(lmkv.ServerTimeoutError):
+            await ctx.lookup(toks, timeout=1e-9)
+        ops = ctx.stats()["ops"]
+    chunk_bytes = C * LAYOUT.token_bytes()
+    assert ops["store"]["count"] == 1 and ops["store"]["bytes"] == 2 * chunk_bytes
+    assert ops["retrieve"]["count"] == 1 and ops["retrieve"]["bytes"] == 2 * chunk_bytes
+    assert ops["lookup"]["count"] == 2 and ops["lookup"]["timeouts"] == 1
+    assert ops["lookup"]["errors_by_type"] == {"ServerTimeoutError": 1}
