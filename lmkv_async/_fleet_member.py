@@ -1,0 +1,491 @@
+"""One server of a :class:`~lmkv_async.fleet.Fleet`: health, a light lookup session
+(registration only, no SHM mapping), its KV-event stream and index bookkeeping, and the
+data-path context opened on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from . import _ops
+from ._index import PrefixIndex
+from ._session import Session
+from .context import AsyncKVContext, connect
+from .errors import (
+    ClosedError,
+    KVCacheError,
+    ServerError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+    UnsupportedOperationError,
+)
+from .events import KVEventStream, require_kv_events
+from .http import ApiKey
+from .layout import KVLayout
+from .results import StoreResult
+from .validate import Tokens, check_salt, check_timeout, check_tokens
+from .wire import requests
+from .wire.dialect import CAP_KV_EVENTS
+from .wire.events import KVRemoved, KVResync, KVStored
+from .wire.keys import RegisterPayload
+from .wire.replies import parse_register
+
+__all__ = ["DOWN_AFTER", "FleetMember", "has_registration"]
+
+log = logging.getLogger("lmkv_async.fleet")
+
+MemberState = Literal["joining", "up", "down", "closed"]
+Source = Literal["index", "lookup", "coordinator", "down"]
+Registration = Literal["auto", "always", "never"]
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
+
+#: Lookup timeouts in a row that mark a member down (a disconnect does at once).
+DOWN_AFTER = 2
+_PROBE_TIMEOUT = 0.5
+
+
+def has_registration(status: Mapping[str, Any], model_name: str, world_size: int) -> bool:
+    """Whether ``/status`` shows any registration (engine-driven or lmcache-driven) of
+    ``(model_name, world_size)``, which is what the server's lookup needs."""
+    for key in ("cache_context_meta", "non_cuda_context_meta"):
+        for entry in (status.get(key) or {}).values():
+            if (isinstance(entry, Mapping) and entry.get("model_name") == model_name
+                    and int(entry.get("world_size", 1)) == world_size):
+                return True
+    return False
+
+
+class _LightSession(Session):
+    """A :class:`Session` for lookups only: no SHM mapping, and a registration only
+    where the policy asks for one. Everything else (detection, RPCs, release steps,
+    teardown) is the base class's."""
+
+    def __init__(self, url: str, http_url: str, model_name: str, *, layout: KVLayout,
+                 timeout: float, api_key: ApiKey | None, registration: Registration) -> None:
+        super().__init__(url, http_url, model_name, layout=layout, timeout=timeout,
+                         transport="auto", sockets=1, shm_dir="/dev/shm",
+                         heartbeat_interval=None, prefault=False, api_key=api_key)
+        self._policy = registration
+        self.light_registered = False
+
+    async def open(self) -> None:
+        """Detect the server and connect; register only if needed."""
+        try:
+            await self._detect_server()
+            self.transport.start()
+            if not await self.transport.wait_connected(self.timeout):
+                raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
+            if self.dialect is None:
+                await self._probe_dialect()
+            await self._refine_capabilities()
+            need = self._policy == "always"
+            if self._policy == "auto":
+                need = not has_registration(await self.http.status(), self.model_name,
+                                            self.layout.world_size)
+            if need:
+                await self._register_light(time.monotonic() + self.timeout)
+            self.state = "open"
+            if self.light_registered:
+                interval = self.heartbeat_interval = min(10.0, (self.reap_timeout or 120) / 4)
+                if interval > 0:
+                    self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
+                                                          name="lmkv-fleet-heartbeat")
+        except BaseException:
+            await self.teardown(unregister=self._register_sent)
+            raise
+
+    async def _register_light(self, deadline: float) -> None:
+        """Register the geometry (so lookups are answered) without mapping any SHM."""
+        layout = self.layout
+        generation = self.transport.generation
+        payload = RegisterPayload(
+            instance_id=self.instance_id, model_name=self.model_name,
+            world_size=layout.world_size, block_size=layout.block_size,
+            num_layers=layout.num_layers, hidden_dim_size=layout.hidden_dim,
+            dtype_str=layout.dtype_name, use_mla=layout.use_mla,
+            num_physical_slots=self.chunk_size,
+        )
+        self._register_sent = True
+        parse_register(await self.rpc(self.transport.pick(),
+                                      requests.register(self.d, payload), deadline))
+        self._registered_generation = generation
+        self.light_registered = True
+
+    async def ensure_registered(self, deadline: float, since: float | None = None) -> None:
+        """Wait out a reconnect (bounded); register again only if this session had."""
+        if not all(c.connected for c in self.transport.connections):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self.transport.wait_usable(
+                remaining, time.monotonic() if since is None else since
+            ):
+                raise ServerUnavailableError("the server is unreachable", server=self.url)
+        if not self.light_registered or self.transport.generation == self._registered_generation:
+            return
+        async with self._register_lock:
+            if self.transport.generation != self._registered_generation:
+                await self._register_light(deadline)
+
+    async def close(self) -> None:
+        """Unregister (if registered) and close everything."""
+        if self.state in ("closing", "closed"):
+            return
+        self.state = "closing"
+        await self.teardown(unregister=self.light_registered)
+
+
+class FleetMember:
+    """One server of a :class:`Fleet`: health, a light lookup session, its event
+    stream, and (on first use) a full data-path context."""
+
+    def __init__(self, fleet: Fleet, name: str, url: str, http_url: str) -> None:
+        self.fleet = fleet
+        self.name = name
+        self.url = url if "://" in url else f"tcp://{url}"
+        self.http_url = http_url
+        self.state: MemberState = "joining"
+        #: why the member is down (or failed to join)
+        self.error: KVCacheError | None = None
+        #: operations through this member (lookups, retrieves, stores) in flight
+        self.in_flight = 0
+        self.session: _LightSession | None = None
+        self._ctx: AsyncKVContext | None = None
+        self._ctx_lock = asyncio.Lock()
+        self._failures = 0
+        self._health: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        # ---- event-index bookkeeping (see Fleet docstring)
+        self.stream: KVEventStream | None = None
+        self.stream_complete = False
+        self.incarnation: int | None = None
+        self.audited_incarnation: int | None = None
+        self.exact = True
+        self.own_written = 0
+        self._own_inflight = 0
+        #: engine-driven stores on the server before the fleet attached (this incarnation)
+        self.unbound_baseline = 0
+        self.has_events = False
+
+    def __repr__(self) -> str:
+        return (f"<FleetMember {self.name!r} {self.url} {self.state}"
+                f"{' synced' if self.synced else ''}>")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def server_version(self) -> str:
+        """The server's ``/version`` (empty until joined)."""
+        return self.session.server_version if self.session else ""
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """The server's capabilities (empty until joined)."""
+        return self.session.capabilities if self.session else frozenset()
+
+    @property
+    def chunk_size(self) -> int:
+        """The server's chunk size (0 until joined)."""
+        return self.session.chunk_size if self.session else 0
+
+    @property
+    def connected(self) -> bool:
+        """Whether the member's lookup socket has a live connection right now."""
+        s = self.session
+        return s is not None and s.transport.connections[0].connected
+
+    @property
+    def synced(self) -> bool:
+        """Whether :meth:`Fleet.best` may answer for this member from the index."""
+        return (self.state == "up" and self.has_events and self.stream_complete and self.exact
+                and self.incarnation is not None and self.audited_incarnation == self.incarnation
+                and self.chunk_size == self.fleet.chunk_size)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def _open_session(self) -> None:
+        f = self.fleet
+        session = _LightSession(self.url, self.http_url, f.model_name, layout=f.layout,
+                                timeout=f.connect_timeout, api_key=f._api_key,
+                                registration=f.registration)
+        await session.open()
+        session.timeout = f.timeout
+        self.session = session
+        if f.chunk_size == 0:
+            f.chunk_size = session.chunk_size
+            f._index = PrefixIndex(session.chunk_size)
+        elif session.chunk_size != f.chunk_size:
+            log.warning("%s has chunk size %d, the fleet %d: lookups only", self.name,
+                        session.chunk_size, f.chunk_size)
+
+    async def _join(self) -> None:
+        try:
+            await self._open_session()
+        except KVCacheError as exc:
+            self._mark_down(exc)
+        else:
+            self._mark_up()
+        self._health = asyncio.create_task(self._health_loop(), name=f"lmkv-fleet-{self.name}")
+
+    def _mark_up(self) -> None:
+        if self.state != "up":
+            log.info("fleet member %s is up (lmcache %s)", self.name, self.server_version)
+        self.state, self.error, self._failures = "up", None, 0
+        s = self.session
+        if (self.fleet.events and s is not None and self._follower is None
+                and CAP_KV_EVENTS in s.capabilities):
+            self._follower = asyncio.create_task(self._follow(), name=f"lmkv-events-{self.name}")
+
+    def _mark_down(self, exc: KVCacheError) -> None:
+        if self.state == "closed":
+            return
+        if self.state != "down":
+            log.warning("fleet member %s is down: %s", self.name, exc)
+        self.state, self.error = "down", exc
+        self._wake.set()
+
+    def _note_timeout(self, exc: KVCacheError) -> None:
+        self._failures += 1
+        if self._failures >= DOWN_AFTER:
+            self._mark_down(exc)
+
+    def _down_error(self) -> KVCacheError:
+        return ServerUnavailableError(f"marked down ({self.error})", op="lookup",
+                                      server=self.url)
+
+    async def _health_loop(self) -> None:
+        """Probe a down member with backoff; audit an up member that follows events."""
+        f = self.fleet
+        delay = f.probe_backoff[0]
+        while self.state != "closed":
+            if self.state == "down":
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, f.probe_backoff[1])
+                try:
+                    if self.session is None:
+                        await self._open_session()
+                    else:
+                        await self.session.ensure_registered(time.monotonic() + _PROBE_TIMEOUT)
+                        await self.session.rpc(self.session.transport.pick(),
+                                               requests.noop(self.session.d),
+                                               time.monotonic() + _PROBE_TIMEOUT)
+                except KVCacheError as exc:
+                    self.error = exc
+                    continue
+                delay = f.probe_backoff[0]
+                self._mark_up()
+                continue
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), f.audit_interval)
+            if self.state == "up" and self._follower is not None:
+                await self._audit()
+
+    async def _audit(self) -> None:
+        """``/status``: liveness, and whether someone else stored engine-driven objects
+        (they emit no event, so the index cannot know them)."""
+        s = self.session
+        assert s is not None
+        try:
+            status = await s.http.get_json("/status", timeout=_PROBE_TIMEOUT)
+        except (ServerTimeoutError, ServerUnavailableError) as exc:
+            self._mark_down(exc)
+            return
+        except KVCacheError as exc:
+            log.debug("audit of %s failed: %s", self.name, exc)
+            return
+        kv = status.get("kv_events") if isinstance(status, dict) else None
+        if not isinstance(kv, dict) or kv.get("incarnation") != self.incarnation:
+            return  # not ours yet (the stream has not seen this incarnation)
+        unbound = int(kv.get("unbound_stores", 0))
+        if self.audited_incarnation != self.incarnation:
+            # First audit of this incarnation: engine-driven stores made before the
+            # fleet attached are invisible to the index (the counter is server-wide,
+            # every model). strict_index refuses to answer from the index after any.
+            self.unbound_baseline = unbound - self.own_written - self._own_inflight
+            if self.fleet.strict_index and self.unbound_baseline > 0:
+                self.exact = False
+        foreign = unbound - self.unbound_baseline - self.own_written - self._own_inflight
+        if foreign > 0 and self.exact:
+            log.info("%s: %d engine-driven stores the fleet did not make (any model); "
+                     "answering it with lookups until the server restarts", self.name,
+                     foreign)
+            self.exact = False
+        self.audited_incarnation = self.incarnation
+
+    async def _follow(self) -> None:
+        """Feed the index from this server's KV-event stream, resubscribing on errors."""
+        f = self.fleet
+        s = self.session
+        assert s is not None
+        try:
+            require_kv_events(s.d, s.capabilities, self.url, s.server_version)
+        except UnsupportedOperationError:
+            return
+        self.has_events = True
+        delay = f.probe_backoff[0]
+        while self.state != "closed":
+            stream = KVEventStream(self.url, s.d, f.model_name, max_events=1024,
+                                   timeout=f.connect_timeout,
+                                   heartbeat_interval=min(10.0, (s.reap_timeout or 120) / 4))
+            self.stream = stream
+            try:
+                while True:
+                    self._apply(await stream.next())
+                    delay = f.probe_backoff[0]
+            except UnsupportedOperationError as exc:
+                log.info("%s records no KV events (%s): lookups only", self.name, exc)
+                self.has_events = False
+                return
+            except KVCacheError as exc:
+                log.debug("%s event stream failed: %s", self.name, exc)
+                self.stream_complete = False
+            finally:
+                await stream.aclose()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, f.probe_backoff[1])
+
+    def _apply(self, ev: KVStored | KVRemoved | KVResync) -> None:
+        index = self.fleet._index
+        if isinstance(ev, KVStored):
+            if ev.medium == "CPU":
+                index.add_event(self.name, ev.block_hashes, ev.parent_block_hash, ev.token_ids)
+        elif isinstance(ev, KVRemoved):
+            index.remove(self.name, ev.block_hashes)
+        else:
+            if ev.discard:
+                index.discard(self.name)
+            if ev.reason == "restart":
+                self.own_written, self.unbound_baseline, self.exact = 0, 0, True
+            if ev.incarnation != self.incarnation:
+                self.incarnation = ev.incarnation
+                self._wake.set()  # audit now, not at the next interval
+            self.stream_complete = ev.complete
+
+    async def aclose(self) -> None:
+        """Stop the tasks, close the data-path context and the light session."""
+        self.state = "closed"
+        self._wake.set()
+        for task in (self._health, self._follower):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._health, self._follower) if t is not None),
+                             return_exceptions=True)
+        if self._ctx is not None:
+            await self._ctx.aclose()
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------------ lookups
+    async def _direct(self, toks: list[int], salt: str, n: int, deadline: float
+                      ) -> int | KVCacheError:
+        """One lookup RPC sequence; failures are returned as values and update health."""
+        s = self.session
+        if self.state != "up" or s is None:
+            return self._down_error()
+        if not s.transport.connections[0].connected:
+            exc = ServerUnavailableError("not connected", op="lookup", server=self.url)
+            self._mark_down(exc)
+            return exc
+        self.in_flight += 1
+        try:
+            hit = await _ops.lookup(s, toks, salt, n, deadline)
+        except ServerTimeoutError as exc:
+            self._note_timeout(exc)
+            return exc
+        except (ServerUnavailableError, ClosedError) as exc:
+            self._mark_down(exc)
+            return exc
+        except ServerError as exc:
+            return exc
+        finally:
+            self.in_flight -= 1
+        self._failures = 0
+        return hit
+
+    async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
+                     timeout: float | None = None) -> int:
+        """A direct lookup on this server (raises instead of returning the error)."""
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        t = check_timeout(timeout, self.fleet.timeout)
+        C = self.chunk_size or self.fleet.chunk_size
+        n = len(toks) // C * C if C else 0
+        if n == 0:
+            return 0
+        result = await self._direct(toks, salt, n, time.monotonic() + t)
+        if isinstance(result, KVCacheError):
+            raise result
+        return result
+
+    # ------------------------------------------------------------------ data path
+    async def context(self) -> AsyncKVContext:
+        """The full per-server :class:`AsyncKVContext` (opened on first call)."""
+        if self.state == "closed":
+            raise ClosedError(f"fleet member {self.name} is closed")
+        async with self._ctx_lock:
+            if self._ctx is None or self._ctx.closed:
+                f = self.fleet
+                self._ctx = await connect(self.url, self.http_url, f.model_name,
+                                          layout=f.layout, timeout=f.data_timeout,
+                                          api_key=f._api_key_arg)
+            return self._ctx
+
+    async def retrieve(self, tokens: Tokens, *, out: torch.Tensor | None = None,
+                       cache_salt: str = "", timeout: float | None = None
+                       ) -> torch.Tensor | None:
+        """:meth:`AsyncKVContext.retrieve` on this server."""
+        ctx = await self.context()
+        self.in_flight += 1
+        try:
+            return await ctx.retrieve(tokens, out=out, cache_salt=cache_salt, timeout=timeout)
+        finally:
+            self.in_flight -= 1
+
+    async def store(self, kv: torch.Tensor, tokens: Tokens, *, cache_salt: str = "",
+                    timeout: float | None = None) -> StoreResult:
+        """:meth:`AsyncKVContext.store` on this server, recorded in the fleet's index.
+
+        Engine-driven stores emit no event, so the fleet records them itself: after
+        the store it looks up what the server now holds of ``tokens`` and enters
+        that prefix, with ``cache_salt``.
+        """
+        toks = check_tokens(tokens)
+        ctx = await self.context()
+        total = len(toks) // ctx.chunk_size
+        self.in_flight += 1
+        self._own_inflight += total
+        try:
+            res = await ctx.store(kv, toks, cache_salt=cache_salt, timeout=timeout)
+            self.own_written += res.written_chunks
+        finally:
+            self._own_inflight -= total
+            self.in_flight -= 1
+        if total and self.fleet.events and self.chunk_size == self.fleet.chunk_size:
+            try:
+                hit = await ctx.lookup(toks, cache_salt=cache_salt, timeout=timeout)
+            except KVCacheError as exc:
+                # The store itself succeeded; the index just does not learn it (a miss
+                # at worst, never a false hit).
+                log.info("%s: no lookup after a store (%s); not indexed", self.name, exc)
+                return res
+            chunks = hit // ctx.chunk_size
+            if chunks:
+                await self.fleet._note_store(self.name, toks, cache_salt, chunks)
+        return res
+
+    def kv_events(self, *, cursor: int = 0, max_events: int = 256) -> KVEventStream:
+        """This server's KV-event stream (a subscription of its own; close it)."""
+        s = self.session
+        if s is None:
+            raise ServerUnavailableError("the member has not joined", server=self.url)
+        require_kv_events(s.d, s.capabilities, self.url, s.server_version)
+        return KVEventStream(self.url, s.d, self.fleet.model_name, cursor=cursor,
+                             max_events=max_events, timeout=self.fleet.connect_timeout)
+
+
