@@ -175,6 +175,7 @@ class Fleet:
         #: (the vLLM-event publisher announces them: they emit no LMCache event)
         self._own_store_listeners: list[Callable[[str, Sequence[bytes], Sequence[int]], None]] = []
         self._state: Literal["new", "open", "closed"] = "new"
+        self._late_joins: set[asyncio.Task[None]] = set()
         self.coordinator: Any = None
 
     def __repr__(self) -> str:
@@ -190,11 +191,12 @@ class Fleet:
         """
         if self._state != "new":
             return self
-        self._state = "open"
         if self.coordinator_url:
             from .coordinator import attach_coordinator
 
+            # Before the state is "open": members it adds are joined below, once.
             await attach_coordinator(self)
+        self._state = "open"
         await asyncio.gather(*(m._join() for m in self._members.values()))
         return self
 
@@ -203,6 +205,9 @@ class Fleet:
         if self._state == "closed":
             return
         self._state = "closed"
+        for task in list(self._late_joins):
+            task.cancel()
+        await asyncio.gather(*self._late_joins, return_exceptions=True)
         if self.coordinator is not None:
             await self.coordinator.aclose()
         await asyncio.gather(*(m.aclose() for m in self._members.values()),
@@ -222,7 +227,9 @@ class Fleet:
         member = FleetMember(self, name, url, http_url)
         self._members[name] = member
         if self._state == "open":
-            asyncio.get_running_loop().create_task(member._join())
+            task = asyncio.get_running_loop().create_task(member._join())
+            self._late_joins.add(task)
+            task.add_done_callback(self._late_joins.discard)
         return member
 
     # ------------------------------------------------------------------ members

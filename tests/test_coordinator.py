@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import ServerPool, server_python
+from servers import ServerPool, leak_report, server_python
 from storer import LmcacheStorer, astore
 
 import lmkv_async as lmkv
@@ -128,6 +128,14 @@ async def test_discovery_directory_answers_and_fallback(
             assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
             assert "coordinator" not in res.sources.values()
             assert await fleet.best(lm, source="coordinator") == ("co-a", 3 * C)
+        # Every member joined once and closed: no light registration is left behind
+        # (a member joined twice once leaked a registered session here).
+        await asyncio.to_thread(storer.close)
+        for name, srv in servers.items():
+            deadline = time.monotonic() + 5
+            while leak_report(await asyncio.to_thread(srv.status)):
+                assert time.monotonic() < deadline, (name, leak_report(srv.status()))
+                await asyncio.sleep(0.1)
     finally:
         await asyncio.to_thread(storer.close)
         if not coord.is_running():
