@@ -659,7 +659,7 @@ def events(
     async def body() -> int:
         ctx = await _open(_layout_arg(layout), fallback=True, heartbeat=True)
         try:
-            stream = ctx.kv_events()  # type: ignore[attr-defined]
+            stream = ctx.kv_events()
             seen = 0
             async for rec in stream:
                 doc = _record_doc(rec)
