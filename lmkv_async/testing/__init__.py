@@ -17,6 +17,7 @@ nothing is guessed and nothing happens at import time. The pytest plugin
 outside the library's :class:`~lmkv_async.KVCacheError` tree.
 """
 
+from .coordinator import LocalCoordinator
 from .server import (
     KNOWN_VERSIONS,
     LocalServer,
@@ -30,6 +31,7 @@ from .server import (
 
 __all__ = [
     "KNOWN_VERSIONS",
+    "LocalCoordinator",
     "LocalServer",
     "LocalServerError",
     "ServerConfig",
