@@ -33,7 +33,6 @@ from .validate import Tokens, check_salt, check_timeout, check_tokens
 from .wire import requests
 from .wire.dialect import CAP_KV_EVENTS
 from .wire.events import KVRemoved, KVResync, KVStored
-from .wire.keys import RegisterPayload
 from .wire.replies import parse_register
 
 __all__ = ["DOWN_AFTER", "FleetMember", "has_registration"]
@@ -79,13 +78,7 @@ class _LightSession(Session):
     async def open(self) -> None:
         """Detect the server and connect; register only if needed."""
         try:
-            await self._detect_server()
-            self.transport.start()
-            if not await self.transport.wait_connected(self.timeout):
-                raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
-            if self.dialect is None:
-                await self._probe_dialect()
-            await self._refine_capabilities()
+            await self._connect()
             need = self._policy == "always"
             if self._policy == "auto":
                 need = not has_registration(await self.http.status(), self.model_name,
@@ -104,18 +97,10 @@ class _LightSession(Session):
 
     async def _register_light(self, deadline: float) -> None:
         """Register the geometry (so lookups are answered) without mapping any SHM."""
-        layout = self.layout
         generation = self.transport.generation
-        payload = RegisterPayload(
-            instance_id=self.instance_id, model_name=self.model_name,
-            world_size=layout.world_size, block_size=layout.block_size,
-            num_layers=layout.num_layers, hidden_dim_size=layout.hidden_dim,
-            dtype_str=layout.dtype_name, use_mla=layout.use_mla,
-            num_physical_slots=self.chunk_size,
-        )
         self._register_sent = True
-        parse_register(await self.rpc(self.transport.pick(),
-                                      requests.register(self.d, payload), deadline))
+        req = requests.register(self.d, self._register_payload())
+        parse_register(await self.rpc(self.transport.pick(), req, deadline))
         self._registered_generation = generation
         self.light_registered = True
 

@@ -153,14 +153,7 @@ class Session:
     async def open(self) -> None:
         """Detect, connect, register, start the heartbeat; undo everything on failure."""
         try:
-            await self._detect_server()
-            self.transport.start()
-            if not await self.transport.wait_connected(self.timeout):
-                raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
-            if self.dialect is None:
-                await self._probe_dialect()
-            await self._read_chunk_size()
-            await self._refine_capabilities()
+            await self._connect()
             await self._register(time.monotonic() + self.timeout)
             self.state = "open"
             if self.heartbeat_interval is None:
@@ -173,6 +166,33 @@ class Session:
             # or malformed after the server had registered us (unregister is idempotent).
             await self.teardown(unregister=self._register_sent)
             raise
+
+    async def _connect(self) -> None:
+        """Everything before registering: HTTP detection, ZMQ connect, dialect, chunk
+        size, capabilities (shared with the fleet's light lookup sessions)."""
+        await self._detect_server()
+        self.transport.start()
+        if not await self.transport.wait_connected(self.timeout):
+            raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
+        if self.dialect is None:
+            await self._probe_dialect()
+        await self._read_chunk_size()
+        await self._refine_capabilities()
+
+    def _register_payload(self) -> RegisterPayload:
+        """Our engine-driven registration, built from the layout."""
+        layout = self.layout
+        return RegisterPayload(
+            instance_id=self.instance_id,
+            model_name=self.model_name,
+            world_size=layout.world_size,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            hidden_dim_size=layout.hidden_dim,
+            dtype_str=layout.dtype_name,
+            use_mla=layout.use_mla,
+            num_physical_slots=self.chunk_size,
+        )
 
     async def _detect_server(self) -> None:
         """Version, mode and chunk size over HTTP (compat.md §11, §14.7)."""
@@ -269,19 +289,9 @@ class Session:
         """Register our engine-driven context and pick the transfer path."""
         layout = self.layout
         generation = self.transport.generation
-        payload = RegisterPayload(
-            instance_id=self.instance_id,
-            model_name=self.model_name,
-            world_size=layout.world_size,
-            block_size=layout.block_size,
-            num_layers=layout.num_layers,
-            hidden_dim_size=layout.hidden_dim,
-            dtype_str=layout.dtype_name,
-            use_mla=layout.use_mla,
-            num_physical_slots=self.chunk_size,
-        )
         self._register_sent = True
-        raw = await self.rpc(self.transport.pick(), requests.register(self.d, payload), deadline)
+        raw = await self.rpc(self.transport.pick(),
+                             requests.register(self.d, self._register_payload()), deadline)
         reply = parse_register(raw)
         old_pool = self.pool
         if old_pool is not None and old_pool.is_current(reply.shm_name, reply.pool_size):
