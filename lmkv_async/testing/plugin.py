@@ -48,8 +48,8 @@ def lmcache_server(request: pytest.FixtureRequest) -> Iterator[LocalServer]:
     """A running real lmcache server for the whole test session."""
     config = request.config
     version = config.getoption("--lmcache-version") or config.getini("lmcache_version")
-    python = (config.getoption("--lmcache-python") or config.getini("lmcache_python")
-              or find_server_python(version))
+    python: str | None = (config.getoption("--lmcache-python") or config.getini("lmcache_python")
+                          or find_server_python(version))
     if not python:
         pytest.fail(f"no interpreter for lmcache {version}: pass --lmcache-python or set "
                     f"${env_var_for(version)}", pytrace=False)
