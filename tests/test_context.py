@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
-from timing import SLACK, eventually, fast
+from timing import SLACK, fast
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -525,9 +525,18 @@ async def test_aclose_waits_for_operations_in_flight(server: LocalServer) -> Non
     calls = [asyncio.create_task(call(ctx.retrieve(t))) for t in seqs[:3]]
     calls += [asyncio.create_task(call(ctx.store(kv, t)))
               for kv, t in zip(kvs[3:], seqs[3:], strict=True)]
-    await eventually(lambda: started == 6 and ctx._transport.connections[0].in_flight > 0,
-                     what="six calls started, requests in flight")
-    await ctx.aclose()
+    try:
+        # Close the moment all six have started: none can have finished, since each needs
+        # server round trips. (Polling for requests in flight raced with fast replies, and a
+        # failed poll left the registration on the shared server for every later test.)
+        for _ in range(100):
+            if started == 6:
+                break
+            await asyncio.sleep(0)
+        assert started == 6, started
+        assert not any(c.done() for c in calls), "a call finished before aclose() began"
+    finally:
+        await ctx.aclose()
     assert ctx.closed
     results = await asyncio.gather(*calls, return_exceptions=True)
     for out, kv in zip(results[:3], kvs[:3], strict=True):
