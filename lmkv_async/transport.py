@@ -1,4 +1,4 @@
-"""ZMQ transport: DEALER sockets, a reader task per socket, uid-matched futures.
+"""ZMQ transport: DEALER sockets, a reader callback per socket, uid-matched futures.
 
 Knows frames, not operations. Every request has a deadline; a request that times
 out or is cancelled is removed from the pending map at once. When the peer goes
@@ -76,11 +76,11 @@ class Connection:
     def __init__(self, ctx: zmq.asyncio.Context, url: str, index: int) -> None:
         self.url = url
         self.index = index
-        self._sock = ctx.socket(zmq.DEALER)
-        # A plain (sync) view of the same socket: non-blocking sends and receives
-        # through it skip the per-call future of zmq.asyncio, which dominates the
-        # cost of small requests; the asyncio socket is used only to wait.
-        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        # A plain (sync) socket, driven by an event-loop reader on its FD: zmq.asyncio's
+        # per-call futures and poller dominated the client's cost of small requests.
+        # (Its monitor socket, made through the asyncio context, is an asyncio one.)
+        self._sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.DEALER)
+        self._sync = self._sock
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -88,7 +88,11 @@ class Connection:
         # between a server's death and our monitor seeing it waits in the pipe and is
         # delivered to the *restarted* server, opening a session nobody ends.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
+        # The monitor's PAIR end comes from the asyncio context, so it can be awaited.
+        monitor_addr = f"inproc://lmkv-monitor-{id(self):x}-{index}"
+        self._sock.monitor(monitor_addr, _MONITOR_EVENTS)
+        self._monitor: zmq.asyncio.Socket = ctx.socket(zmq.PAIR)
+        self._monitor.connect(monitor_addr)
         self._pending: dict[bytes, _Pending] = {}
         self._uids = itertools.count(1)
         self._connected = asyncio.Event()
@@ -98,7 +102,10 @@ class Connection:
         self._down_since = time.monotonic()
         #: incremented on every (re)connect; a change means the peer may be new.
         self.generation = 0
-        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+        #: senders waiting for room below the high-water mark (woken by the FD reader)
+        self._writable: list[asyncio.Future[None]] = []
         self._watcher: asyncio.Task[None] | None = None
 
     @property
@@ -136,10 +143,12 @@ class Connection:
         return left > 0 and await self.wait_connected(left)
 
     def start(self) -> None:
-        """Connect and start the reader and monitor tasks."""
+        """Connect, install the FD reader and start the monitor task."""
         self._down_since = time.monotonic()
         self._sock.connect(self.url)
-        self._reader = asyncio.create_task(self._read_loop(), name=f"lmkv-reader-{self.index}")
+        self._loop = asyncio.get_running_loop()
+        self._fd = int(self._sock.getsockopt(zmq.FD))
+        self._loop.add_reader(self._fd, self._on_readable)
         self._watcher = asyncio.create_task(self._watch_loop(), name=f"lmkv-monitor-{self.index}")
 
     async def wait_connected(self, timeout: float) -> bool:
@@ -168,12 +177,23 @@ class Connection:
         except (asyncio.CancelledError, zmq.ZMQError):
             return
 
-    async def _read_loop(self) -> None:
+    def _on_readable(self) -> None:
+        """The FD is edge-triggered and only says "events may have changed": re-check
+        ZMQ_EVENTS until no reply is left, and wake senders waiting for room."""
+        if self._closed:
+            return
         try:
             while True:
-                await self._sock.poll()  # POLLIN
+                events = int(self._sync.getsockopt(zmq.EVENTS))
+                if events & zmq.POLLOUT and self._writable:
+                    for waiter in self._writable:
+                        if not waiter.done():
+                            waiter.set_result(None)
+                    self._writable.clear()
+                if not events & zmq.POLLIN:
+                    return
                 self._drain()
-        except (asyncio.CancelledError, zmq.ZMQError):
+        except zmq.ZMQError:
             return
 
     def _drain(self) -> None:
@@ -270,14 +290,8 @@ class Connection:
                     raise ServerUnavailableError("not connected to the server", op=op,
                                                  server=self.url, request_id=request_id) from None
                 # high-water mark reached: wait for room, within the deadline
-                send: asyncio.Future[Any] = asyncio.ensure_future(
-                    self._sock.send_multipart(frames, copy=False))
-                waiters: set[asyncio.Future[Any]] = {send, future}
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                if not send.done():  # the deadline passed or the peer went away first
-                    send.cancel()
-                    return await future
-                send.result()
+                if not await self._send_when_writable(frames, future):
+                    return await future  # the deadline passed or the peer went away first
             except zmq.ZMQError as exc:
                 raise from_zmq_error(exc, op=op, server=self.url) from None
             else:
@@ -302,6 +316,28 @@ class Connection:
             else:
                 self._pending.pop(key, None)
 
+    async def _send_when_writable(self, frames: list[bytes], reply: asyncio.Future[Reply]
+                                  ) -> bool:
+        """Retry a send refused at the high-water mark until it goes out (True) or the
+        reply future is done first (deadline, disconnect: False)."""
+        loop = asyncio.get_running_loop()
+        while not reply.done():
+            room: asyncio.Future[None] = loop.create_future()
+            self._writable.append(room)
+            # the FD may not signal again if room appeared before we registered
+            loop.call_soon(self._on_readable)
+            waiters: set[asyncio.Future[Any]] = {room, reply}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if reply.done():
+                room.cancel()
+                return False
+            try:
+                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                continue
+        return False
+
     async def probe(self, req: Request, *, timeout: float) -> object:
         """Send a detection request and return its decoded result."""
         reply = await self.request(req, timeout=timeout)
@@ -313,9 +349,13 @@ class Connection:
             return
         self._closed = True
         self._fail_all(ClosedError, "transport closed")
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
+        if self._loop is not None and self._fd >= 0 and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        for waiter in self._writable:
+            waiter.cancel()
+        self._writable.clear()
+        if self._watcher is not None:
+            self._watcher.cancel()
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
