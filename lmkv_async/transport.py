@@ -50,6 +50,11 @@ __all__ = ["Connection", "Transport"]
 log = logging.getLogger("lmkv_async.transport")
 
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+# Plain ints for the per-request hot path (pyzmq's enum flags cost a Python call each).
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 #: How long a request waits for a lost connection to come back before failing
 #: with ServerUnavailableError: a ZMQ reconnect attempt happens at least every
@@ -184,13 +189,13 @@ class Connection:
             return
         try:
             while True:
-                events = int(self._sync.getsockopt(zmq.EVENTS))
-                if events & zmq.POLLOUT and self._writable:
+                events = int(self._sync.getsockopt(_EVENTS))
+                if events & _POLLOUT and self._writable:
                     for waiter in self._writable:
                         if not waiter.done():
                             waiter.set_result(None)
                     self._writable.clear()
-                if not events & zmq.POLLIN:
+                if not events & _POLLIN:
                     return
                 self._drain()
         except zmq.ZMQError:
@@ -200,7 +205,7 @@ class Connection:
         """Dispatch every reply that has arrived, without waiting."""
         while True:
             try:
-                frames = self._sync.recv_multipart(zmq.NOBLOCK)
+                frames = self._sync.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             self._dispatch(frames)
@@ -284,7 +289,7 @@ class Connection:
         keep_for_late = False
         try:
             try:
-                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._sync.send_multipart(frames, _NOBLOCK, copy=False)
             except zmq.Again:
                 if not self._connected.is_set():  # no live connection (IMMEDIATE)
                     raise ServerUnavailableError("not connected to the server", op=op,
@@ -297,7 +302,7 @@ class Connection:
             else:
                 # A send through the sync view can consume the socket's edge-triggered
                 # readiness signal, so the reader might not wake: check for replies here.
-                if int(self._sync.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if int(self._sync.getsockopt(_EVENTS)) & _POLLIN:
                     self._drain()
             return await future
         except _Expired:
@@ -332,7 +337,7 @@ class Connection:
                 room.cancel()
                 return False
             try:
-                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._sync.send_multipart(frames, _NOBLOCK, copy=False)
                 return True
             except zmq.Again:
                 continue

@@ -53,7 +53,7 @@ def check_tokens(tokens: Tokens) -> list[int]:
     if len(tokens) == 0:
         raise InvalidInputError("tokens must not be empty")
     values = list(tokens)
-    if not all(type(t) is int for t in values):
+    if set(map(type, values)) != {int}:  # C-speed check of the common case (plain ints)
         try:
             values = [_as_int(t) for t in values]
         except TypeError as exc:
