@@ -55,6 +55,19 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
+def _send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> None:
+    """``send_multipart(frames, NOBLOCK, copy=False)`` without its per-frame flag enums.
+
+    A multipart message is admitted whole or not at all, so ``zmq.Again`` can only
+    come from the first frame and nothing is left half-sent.
+    """
+    send = sock.send
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        send(frame, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=False)
 
 #: How long a request waits for a lost connection to come back before failing
 #: with ServerUnavailableError: a ZMQ reconnect attempt happens at least every
@@ -188,24 +201,22 @@ class Connection:
         if self._closed:
             return
         try:
-            while True:
-                events = int(self._sync.getsockopt(_EVENTS))
-                if events & _POLLOUT and self._writable:
-                    for waiter in self._writable:
-                        if not waiter.done():
-                            waiter.set_result(None)
-                    self._writable.clear()
-                if not events & _POLLIN:
-                    return
-                self._drain()
+            if self._writable and int(self._sync.getsockopt(_EVENTS)) & _POLLOUT:
+                for waiter in self._writable:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._writable.clear()
+            self._drain()  # reads until ZMQ_EVENTS shows no reply left
         except zmq.ZMQError:
             return
 
     def _drain(self) -> None:
         """Dispatch every reply that has arrived, without waiting."""
-        while True:
+        sock = self._sync
+        # Asking ZMQ_EVENTS first is cheaper than ending on a raised zmq.Again.
+        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
             try:
-                frames = self._sync.recv_multipart(_NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             self._dispatch(frames)
@@ -289,7 +300,7 @@ class Connection:
         keep_for_late = False
         try:
             try:
-                self._sync.send_multipart(frames, _NOBLOCK, copy=False)
+                _send_frames(self._sync, frames)
             except zmq.Again:
                 if not self._connected.is_set():  # no live connection (IMMEDIATE)
                     raise ServerUnavailableError("not connected to the server", op=op,
@@ -302,8 +313,7 @@ class Connection:
             else:
                 # A send through the sync view can consume the socket's edge-triggered
                 # readiness signal, so the reader might not wake: check for replies here.
-                if int(self._sync.getsockopt(_EVENTS)) & _POLLIN:
-                    self._drain()
+                self._drain()
             return await future
         except _Expired:
             keep_for_late = on_late is not None and late_window > 0
@@ -337,7 +347,7 @@ class Connection:
                 room.cancel()
                 return False
             try:
-                self._sync.send_multipart(frames, _NOBLOCK, copy=False)
+                _send_frames(self._sync, frames)
                 return True
             except zmq.Again:
                 continue
