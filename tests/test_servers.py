@@ -41,7 +41,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on ``port``. SO_REUSEADDR: connections the server closed linger
+    in TIME_WAIT for a minute and would make a plain bind fail without any leak."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
