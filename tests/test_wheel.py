@@ -92,7 +92,8 @@ def test_build_install_wheel_in_a_fresh_venv_and_use_it(
     for needed in ("lmkv_async/_copy.c", "setup.py", "pyproject.toml", "LICENSE",
                    "CHANGELOG.md", "MANIFEST.in", "README.md", "tests/test_wheel.py",
                    "tests/conftest.py", "tests/server_scripts/register_cpu_engine.py",
-                   "docs/index.md", "examples/demo.py", "constraints/ci.txt"):
+                   "docs/index.md", "examples/demo.py", "constraints/ci.txt", "mkdocs.yml",
+                   "tools/griffe_sphinx_roles.py"):
         assert needed in members, f"the sdist lacks {needed}"
     assert not [m for m in members if m.endswith(".so")], "a compiled object in the sdist"
 
