@@ -5,6 +5,7 @@
     nox -s lint           # ruff check + mypy --strict lmkv_async
     nox -s demo           # examples/demo.py against a real server it starts
     nox -s bench          # benchmarks/bench_*.py with the server envs exported
+    nox -s docs           # the docs site (mkdocs --strict) into site/
     nox -s server-envs    # only build/verify the three lmcache server environments
 
 Real lmcache servers run from three dedicated environments, built on first use
@@ -198,15 +199,28 @@ def demo(session: nox.Session) -> None:
 @nox.session(reuse_venv=True)
 def bench(session: nox.Session) -> None:
     """Every benchmarks/bench_*.py runner (args after -- go to each runner)."""
-    install_package(session)
+    install_package(session, "[bench]")  # matplotlib, for report.py's charts
     env = server_envs(session)
     runners = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not runners:
         session.error("no benchmarks/bench_*.py runner found")
     for runner in runners:
         session.run("python", str(runner), *session.posargs, env=env)
-    # docs/benchmarks.md and docs/benchmarks.png from the result files just written
+    # docs/benchmarks.md and its charts (docs/benchmarks*.png) from the result files
     session.run("python", str(ROOT / "benchmarks" / "report.py"), env=env)
+
+
+@nox.session(reuse_venv=True)
+def docs(session: nox.Session) -> None:
+    """The docs site: mkdocs + material, API reference by mkdocstrings, built --strict.
+
+    Writes ``site/`` (args after -- go to ``mkdocs build``, e.g. ``--site-dir DIR``).
+    The package is installed like everywhere else so that griffe sees the same
+    modules a user gets; it reads the sources statically and needs no server.
+    """
+    install_package(session, "[docs]")
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+                *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(name="server-envs", python=False)

@@ -51,7 +51,7 @@ the package is installed)::
     python benchmarks/bench_e2e.py --quick    # T <= 4096, 4 reps, L1 6 GiB (~4-5 min)
 
 Writes ``benchmarks/results/e2e.json``; ``benchmarks/report.py`` turns it into
-``docs/benchmarks.md`` / ``docs/benchmarks.png``.
+``docs/benchmarks.md`` and its charts.
 """
 
 from __future__ import annotations

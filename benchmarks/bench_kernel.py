@@ -35,6 +35,7 @@ except ImportError:  # a source checkout: build in place first (setup.py build_e
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from _common import summarize  # noqa: E402  (same directory)
 
 from lmkv_async import kernel as kc  # noqa: E402
 from lmkv_async.memory import output_pool  # noqa: E402
@@ -56,8 +57,9 @@ def _time(fn: Callable[[], None], reps: int) -> float:
     return statistics.median(times)
 
 
-def _paired(fn: Callable[[], None], ref: Callable[[], None], reps: int) -> tuple[float, float]:
-    """(median seconds of ``fn``, median of per-rep speed ratios ``fn`` vs ``ref``).
+def _paired(fn: Callable[[], None], ref: Callable[[], None],
+            reps: int) -> tuple[list[float], list[float]]:
+    """(seconds of each run of ``fn``, per-rep speed ratios ``fn`` vs ``ref``).
 
     Each rep runs the reference right before the path, so a ratio compares two
     runs made under the same conditions; on a shared VM the memory bandwidth
@@ -74,7 +76,7 @@ def _paired(fn: Callable[[], None], ref: Callable[[], None], reps: int) -> tuple
         t2 = time.perf_counter()
         times.append(t2 - t1)
         ratios.append((t1 - t0) / (t2 - t1))
-    return statistics.median(times), statistics.median(ratios)
+    return times, ratios
 
 
 def mem_available() -> int:
@@ -155,9 +157,12 @@ def bench_t(T: int, reps: int, rng: torch.Generator) -> dict[str, Any]:
     out["stream_copy"] = nbytes / _time(ref, reps) / 1e9
     for b in backends:
         for name, fn in ops(b).items():
-            secs, ratio = _paired(fn, ref, reps)
-            out.setdefault(name, {})[b] = nbytes / secs / 1e9
-            out[name][f"{b}_vs_stream"] = ratio
+            times, ratios = _paired(fn, ref, reps)
+            out.setdefault(name, {})[b] = nbytes / statistics.median(times) / 1e9
+            out[name][f"{b}_vs_stream"] = statistics.median(ratios)
+            # every run, so report.py can draw the spread of c/torch and c/stream
+            out[name][f"{b}_s"] = summarize(times)
+            out[name][f"{b}_vs_stream_runs"] = summarize(ratios)
     return out
 
 

@@ -1,11 +1,20 @@
-"""Turn benchmark results into ``docs/benchmarks.md`` and ``docs/benchmarks.png``.
+"""Turn benchmark results into ``docs/benchmarks.md`` and its charts.
 
 Reads whichever of ``benchmarks/results/kernel.json`` (``bench_kernel.py``) and
-``benchmarks/results/e2e.json`` (``bench_e2e.py``) exist. The PNG is drawn by a
-tiny built-in rasteriser (5x7 bitmap font, zlib-compressed RGB), so the report
-needs nothing beyond the standard library::
+``benchmarks/results/e2e.json`` (``bench_e2e.py``) exist, and writes the page
+with two matplotlib charts next to it (extra ``lmkv_async[bench]``)::
 
-    python benchmarks/report.py [--results DIR] [--md PATH] [--png PATH]
+    docs/benchmarks-e2e.png      lmkv_async vs the official SDK, same-run ratios
+    docs/benchmarks-kernel.png   the C copy kernel vs the torch fallback and vs a streaming copy
+
+Ratios are drawn on log axes (2x faster and 2x slower are the same distance from
+1x) with the spread of the runs as p10-p90 error bars: for a ratio of two
+measured quantities that is the p10/p90 of every ratio of one run of each (the
+result files keep the samples), so the bar shows how far the ratio moves when a
+single pair of runs is compared; the marker is the ratio of the medians, the
+number the tables print.
+
+    python benchmarks/report.py [--results DIR] [--md PATH] [--charts DIR]
 """
 
 from __future__ import annotations
@@ -13,26 +22,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import struct
+import sys
 import time
-import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+try:
+    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
+except ImportError:  # a source checkout: _common imports lmkv_async.testing
+    sys.path.insert(0, str(ROOT))
+
+from _common import cpu_model, summarize  # noqa: E402  (same directory)
+
+E2E_PNG = "benchmarks-e2e.png"
+KERNEL_PNG = "benchmarks-kernel.png"
+PATHS = ["gather", "scatter", "pack", "unpack", "paged->chunks", "chunks->paged"]
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -55,8 +63,24 @@ def num(s: dict[str, Any] | None, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(s['median'])} ({fmt.format(s['p10'])}-{fmt.format(s['p90'])})"
 
 
-def x(v: float | None) -> str:
-    return "-" if v is None else f"**{v:.2f}x**"
+def spread(num_s: dict[str, Any] | None,
+           den_s: dict[str, Any] | None) -> tuple[float, float] | None:
+    """p10/p90 of ``a / b`` over every pair of runs ``a`` of ``num_s``, ``b`` of ``den_s``.
+
+    ``None`` when either side kept no samples (older result files)."""
+    a = (num_s or {}).get("samples") or []
+    b = (den_s or {}).get("samples") or []
+    ratios = [x / y for x in a for y in b if y]
+    if not ratios:
+        return None
+    s = summarize(ratios)
+    return s["p10"], s["p90"]
+
+
+def x(v: float | None, sp: tuple[float, float] | None = None) -> str:
+    if v is None:
+        return "-"
+    return f"**{v:.2f}x**" + (f" ({sp[0]:.2f}-{sp[1]:.2f})" if sp else "")
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -136,12 +160,13 @@ def e2e_md(e: dict[str, Any]) -> list[str]:
     if "store" in r:
         lines += ["### Store latency (ms)", ""]
         rows = [[str(w["T"]), f"{w['bytes'] / 2**20:.0f}", ms(w["sdk"]), ms(w["lmkv"]),
-                 x(w["speedup"])] for w in r["store"]["rows"]]
+                 x(w["speedup"], spread(w["sdk"], w["lmkv"]))] for w in r["store"]["rows"]]
         lines += table(["T", "MiB", "SDK `store`", "lmkv `store`", "SDK / lmkv"], rows)
     if "retrieve" in r:
         lines += ["### Retrieve latency (ms)", ""]
         rows = [[str(w["T"]), f"{w['bytes'] / 2**20:.0f}", ms(w["sdk"]), ms(w["lmkv"]),
-                 ms(w["lmkv_out"]), x(w["speedup"]), x(w["speedup_out"])]
+                 ms(w["lmkv_out"]), x(w["speedup"], spread(w["sdk"], w["lmkv"])),
+                 x(w["speedup_out"], spread(w["sdk"], w["lmkv_out"]))]
                 for w in r["retrieve"]["rows"]]
         lines += table(["T", "MiB", "SDK `retrieve`", "lmkv `retrieve`",
                         "lmkv `retrieve(out=)`", "SDK / lmkv", "SDK / lmkv out="], rows)
@@ -159,18 +184,21 @@ def e2e_md(e: dict[str, Any]) -> list[str]:
         lines += table(["client", "prefixes/s", "vs SDK"], [
             ["SDK, one after another", num(f["sdk_sequential"]), "1.00x"],
             [f"lmkv `retrieve_many`, {f['N']} in flight, caller buffers (`outs=`)",
-             num(f["lmkv_with_outs"]), x(f["ratio_with_outs"])],
+             num(f["lmkv_with_outs"]),
+             x(f["ratio_with_outs"], spread(f["lmkv_with_outs"], f["sdk_sequential"]))],
             [f"lmkv `retrieve_many`, {f['N']} in flight, no buffers",
-             num(f["lmkv_no_outs"]), x(f["ratio_no_outs"])],
+             num(f["lmkv_no_outs"]),
+             x(f["ratio_no_outs"], spread(f["lmkv_no_outs"], f["sdk_sequential"]))],
             ["lmkv one after another, caller buffers", num(f["lmkv_sequential"]),
-             x(f["ratio_sequential"])],
+             x(f["ratio_sequential"], spread(f["lmkv_sequential"], f["sdk_sequential"]))],
         ])
     if "lookup" in r:
         lk = r["lookup"]
         lines += [f"### Lookup throughput, T={lk['T']} hit (lookups/s)", ""]
         rows = [[f"SDK, {t} thread(s)", num(lk[f"sdk_threads_{t}"]), ""] for t in (1, 8)]
         rows += [[f"lmkv, {k} in flight on one context", num(lk[f"lmkv_{k}"]),
-                  x(lk[f"ratio_{k}_vs_best_sdk"])] for k in (1, 8, 64)]
+                  x(lk[f"ratio_{k}_vs_best_sdk"], spread(lk[f"lmkv_{k}"], best_sdk(lk)))]
+                 for k in (1, 8, 64)]
         lines += table(["client", "lookups/s", "vs best SDK"], rows)
     if "soak" in r:
         sk = r["soak"]
@@ -180,9 +208,10 @@ def e2e_md(e: dict[str, Any]) -> list[str]:
                   f"{mix.get('lookup')} lookup) (ops/s)", ""]
         lines += table(["client", "ops/s", "lmkv / this"], [
             ["lmkv, 64 in flight, one context", num(sk["lmkv_64"]), ""],
-            ["SDK, 1 thread", num(sk["sdk_threads_1"]), x(sk["ratio_vs_sdk_1"])],
+            ["SDK, 1 thread", num(sk["sdk_threads_1"]),
+             x(sk["ratio_vs_sdk_1"], spread(sk["lmkv_64"], sk["sdk_threads_1"]))],
             ["SDK, 8 threads (a context each)", num(sk["sdk_threads_8"]),
-             x(sk["ratio_vs_sdk_8"])],
+             x(sk["ratio_vs_sdk_8"], spread(sk["lmkv_64"], sk["sdk_threads_8"]))],
         ])
         lines += ["Retrieves of the same prefix in this mix are serialised by lmkv_async "
                   "itself (lmcache 0.5.6 keys pending SHM reads by a key that ignores the "
@@ -293,229 +322,199 @@ def notes_md(r: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-# ----------------------------------------------------------------------------- PNG
-
-_GLYPHS = """
-A .###. #...# #...# ##### #...# #...# #...#
-B ####. #...# #...# ####. #...# #...# ####.
-C .#### #.... #.... #.... #.... #.... .####
-D ####. #...# #...# #...# #...# #...# ####.
-E ##### #.... #.... ####. #.... #.... #####
-F ##### #.... #.... ####. #.... #.... #....
-G .#### #.... #.... #.### #...# #...# .####
-H #...# #...# #...# ##### #...# #...# #...#
-I .###. ..#.. ..#.. ..#.. ..#.. ..#.. .###.
-J ..### ...#. ...#. ...#. ...#. #..#. .##..
-K #...# #..#. #.#.. ##... #.#.. #..#. #...#
-L #.... #.... #.... #.... #.... #.... #####
-M #...# ##.## #.#.# #.#.# #...# #...# #...#
-N #...# ##..# #.#.# #..## #...# #...# #...#
-O .###. #...# #...# #...# #...# #...# .###.
-P ####. #...# #...# ####. #.... #.... #....
-Q .###. #...# #...# #...# #.#.# #..#. .##.#
-R ####. #...# #...# ####. #.#.. #..#. #...#
-S .#### #.... #.... .###. ....# ....# ####.
-T ##### ..#.. ..#.. ..#.. ..#.. ..#.. ..#..
-U #...# #...# #...# #...# #...# #...# .###.
-V #...# #...# #...# #...# #...# .#.#. ..#..
-W #...# #...# #...# #.#.# #.#.# #.#.# .#.#.
-X #...# #...# .#.#. ..#.. .#.#. #...# #...#
-Y #...# #...# .#.#. ..#.. ..#.. ..#.. ..#..
-Z ##### ....# ...#. ..#.. .#... #.... #####
-0 .###. #...# #..## #.#.# ##..# #...# .###.
-1 ..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.
-2 .###. #...# ....# ...#. ..#.. .#... #####
-3 ##### ...#. ..#.. ...#. ....# #...# .###.
-4 ...#. ..##. .#.#. #..#. ##### ...#. ...#.
-5 ##### #.... ####. ....# ....# #...# .###.
-6 ..##. .#... #.... ####. #...# #...# .###.
-7 ##### ....# ...#. ..#.. .#... .#... .#...
-8 .###. #...# #...# .###. #...# #...# .###.
-9 .###. #...# #...# .#### ....# ...#. .##..
-. ..... ..... ..... ..... ..... .##.. .##..
-, ..... ..... ..... ..... .##.. ..#.. .#...
-- ..... ..... ..... ##### ..... ..... .....
-+ ..... ..#.. ..#.. ##### ..#.. ..#.. .....
-= ..... ..... ##### ..... ##### ..... .....
-/ ....# ....# ...#. ..#.. .#... #.... #....
-: ..... .##.. .##.. ..... .##.. .##.. .....
-( ...#. ..#.. .#... .#... .#... ..#.. ...#.
-) .#... ..#.. ...#. ...#. ...#. ..#.. .#...
-> .#... ..#.. ...#. ....# ...#. ..#.. .#...
-< ...#. ..#.. .#... #.... .#... ..#.. ...#.
-% ##..# ##.#. ...#. ..#.. .#... .#.## #..##
-_ ..... ..... ..... ..... ..... ..... #####
-[ .###. .#... .#... .#... .#... .#... .###.
-] .###. ...#. ...#. ...#. ...#. ...#. .###.
-' ..#.. ..#.. .#... ..... ..... ..... .....
-? .###. #...# ....# ...#. ..#.. ..... ..#..
-* ..... #.#.# .###. ##### .###. #.#.# .....
-x ..... ..... #...# .#.#. ..#.. .#.#. #...#
-; ..... .##.. .##.. ..... .##.. ..#.. .#...
-! ..#.. ..#.. ..#.. ..#.. ..#.. ..... ..#..
-"""
-_FONT: dict[str, list[str]] = {" ": ["....."] * 7}
-for _line in _GLYPHS.strip().splitlines():
-    _ch, *_rows = _line.split(" ")
-    assert len(_rows) == 7 and all(len(r) == 5 for r in _rows), _line
-    _FONT[_ch] = _rows
+# ----------------------------------------------------------------------------- charts
 
 
-class Canvas:
-    def __init__(self, w: int, h: int, bg: tuple[int, int, int] = (255, 255, 255)) -> None:
-        self.w, self.h = w, h
-        self.px = bytearray(bytes(bg) * (w * h))
+class Ratio:
+    """One bar of a chart: a same-run ratio (>1: lmkv_async / C faster) and its spread."""
 
-    def rect(self, x0: int, y0: int, x1: int, y1: int, c: tuple[int, int, int]) -> None:
-        x0, x1 = max(0, min(x0, x1)), min(self.w, max(x0, x1))
-        y0, y1 = max(0, min(y0, y1)), min(self.h, max(y0, y1))
-        if x0 >= x1:
-            return
-        line = bytes(c) * (x1 - x0)
-        for y in range(y0, y1):
-            o = (y * self.w + x0) * 3
-            self.px[o:o + len(line)] = line
-
-    def text(self, x0: int, y0: int, s: str, c: tuple[int, int, int], scale: int = 2) -> int:
-        """Draw ``s``; returns the x after the last glyph."""
-        x = x0
-        for ch in s:
-            glyph = _FONT.get(ch) or _FONT.get(ch.upper()) or _FONT["?"]
-            for gy, row in enumerate(glyph):
-                for gx, bit in enumerate(row):
-                    if bit == "#":
-                        self.rect(x + gx * scale, y0 + gy * scale,
-                                  x + (gx + 1) * scale, y0 + (gy + 1) * scale, c)
-            x += 6 * scale
-        return x
-
-    @staticmethod
-    def text_width(s: str, scale: int = 2) -> int:
-        return len(s) * 6 * scale
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.px[y * self.w * 3:(y + 1) * self.w * 3])
-                       for y in range(self.h))
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return (struct.pack(">I", len(data)) + kind + data
-                    + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-        ihdr = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    def __init__(self, label: str, value: float, sp: tuple[float, float] | None,
+                 group: str, goal: float | None = None) -> None:
+        self.label, self.value, self.spread, self.group, self.goal = label, value, sp, group, goal
 
 
-BLUE, ORANGE, GREY, RED, BLACK, GREEN = ((46, 110, 190), (230, 140, 40), (150, 150, 150),
-                                         (200, 40, 40), (20, 20, 20), (40, 150, 70))
+def best_sdk(lk: dict[str, Any]) -> dict[str, Any]:
+    """The faster of the SDK's 1- and 8-thread lookup runs (what "vs best SDK" means)."""
+    runs = [lk[k] for k in ("sdk_threads_1", "sdk_threads_8") if lk.get(k, {}).get("n")]
+    return max(runs, key=lambda s: s["median"]) if runs else {}
 
 
-def bar_panel(cv: Canvas, y: int, title: str, note: str,
-              rows: list[tuple[str, float, float | None, tuple[int, int, int], str]]) -> int:
-    """Horizontal bars on a log2 axis (1x marked); returns the next y."""
-    left = 360
-    right = cv.w - 20 - max((Canvas.text_width(r[4]) for r in rows), default=0) - 8
-    cv.text(20, y, title, BLACK, 2)
-    y += 22
-    cv.text(20, y, note, GREY, 1)
-    y += 16
-    if not rows:
-        cv.text(20, y, "(no data)", GREY, 2)
-        return y + 30
+def e2e_ratios(e: dict[str, Any]) -> list[Ratio]:
+    """The e2e ratios, each with the spread of its runs (latency: SDK/lmkv; rates: lmkv/SDK)."""
+    r = e.get("results", {})
+    goals: dict[str, float] = {}
+    for t in e.get("targets", []):
+        name = t.get("target", "")
+        if t.get("unit") == "x" and t.get("higher_is_better"):
+            goals[name] = float(t["goal"])
+
+    def goal_for(*words: str) -> float | None:
+        return next((g for n, g in goals.items() if all(w in n for w in words)), None)
+
+    out: list[Ratio] = []
+    for w in r.get("store", {}).get("rows", []):
+        out.append(Ratio(f"store T={w['T']}", w["speedup"], spread(w["sdk"], w["lmkv"]),
+                         "latency", goal_for("store", f"T={w['T']}")))
+    for w in r.get("retrieve", {}).get("rows", []):
+        out.append(Ratio(f"retrieve T={w['T']}", w["speedup"], spread(w["sdk"], w["lmkv"]),
+                         "latency"))
+        out.append(Ratio(f"retrieve(out=) T={w['T']}", w["speedup_out"],
+                         spread(w["sdk"], w["lmkv_out"]), "latency",
+                         goal_for("retrieve", f"T={w['T']}", "out=")))
+    f = r.get("fanout")
+    if f:
+        sdk = f["sdk_sequential"]
+        out.append(Ratio(f"fan-out {f['N']}x, outs=", f["ratio_with_outs"],
+                         spread(f["lmkv_with_outs"], sdk), "throughput",
+                         goal_for("fan-out", "caller buffers")))
+        out.append(Ratio(f"fan-out {f['N']}x, no outs", f["ratio_no_outs"],
+                         spread(f["lmkv_no_outs"], sdk), "throughput",
+                         goal_for("fan-out", "no buffers")))
+    lk = r.get("lookup")
+    if lk:
+        for k in (8, 64):
+            out.append(Ratio(f"lookup, {k} in flight", lk[f"ratio_{k}_vs_best_sdk"],
+                             spread(lk[f"lmkv_{k}"], best_sdk(lk)), "throughput"))
+    sk = r.get("soak")
+    if sk:
+        for t in (1, 8):
+            out.append(Ratio(f"mixed, vs SDK {t} thread{'s' if t > 1 else ''}",
+                             sk[f"ratio_vs_sdk_{t}"],
+                             spread(sk["lmkv_64"], sk[f"sdk_threads_{t}"]), "throughput"))
+    return out
+
+
+def _log_ratio_axis(ax: Any, values: Sequence[float], *, vertical: bool,
+                    headroom: float = 1.3) -> None:
+    """A log2 axis spanning ``values`` and 1x, ticks labelled as ratios."""
     import math
 
-    vals = [r[1] for r in rows] + [r[2] for r in rows if r[2]]
-    lo = min(0.5, min(vals) / 1.2)
-    hi = max(2.0, max(vals) * 1.15)
-    llo, lhi = math.log2(lo), math.log2(hi)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    def px(v: float) -> int:
-        return int(left + (math.log2(max(v, lo)) - llo) / (lhi - llo) * (right - left))
-
-    top = y
-    row_h = 22
-    for label, v, goal, color, txt in rows:
-        cv.text(20, y + 4, label[:28], BLACK, 2)
-        x1 = px(1.0)
-        xv = px(v)
-        cv.rect(min(x1, xv), y + 3, max(x1, xv) + 1, y + row_h - 3, color)
-        if goal:
-            xg = px(goal)
-            cv.rect(xg - 1, y, xg + 2, y + row_h, RED)
-        cv.text(max(x1, xv, px(goal) if goal else 0) + 6, y + 4, txt, BLACK, 2)
-        y += row_h
-    # axis: ticks at powers of two, 1x emphasised
-    cv.rect(px(1.0), top - 4, px(1.0) + 2, y + 2, BLACK)
-    k = math.ceil(llo)
-    while k <= lhi:
-        xt = px(2.0**k)
-        cv.rect(xt, y + 2, xt + 1, y + 8, GREY)
-        lab = f"{2.0**k:g}x"
-        cv.text(xt - Canvas.text_width(lab, 1) // 2, y + 10, lab, GREY, 1)
-        k += 1
-    return y + 30
+    lo = min([1.0, *values]) / 1.3
+    hi = max([1.0, *values]) * headroom
+    # a narrow range gets ticks at quarter or half powers of two
+    step = 0.25 if hi / lo < 3 else 0.5 if hi / lo < 8 else 1.0
+    k0, k1 = math.floor(math.log2(lo) / step), math.ceil(math.log2(hi) / step)
+    ticks = [2.0 ** (k * step) for k in range(k0, k1 + 1)]
+    axis = ax.yaxis if vertical else ax.xaxis
+    (ax.set_yscale if vertical else ax.set_xscale)("log", base=2)
+    (ax.set_ylim if vertical else ax.set_xlim)(lo, hi)
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_minor_locator(NullLocator())
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}x"))
+    (ax.axhline if vertical else ax.axvline)(1.0, color="black", linewidth=1)
 
 
-def draw_png(kernel: dict[str, Any] | None, e2e: dict[str, Any] | None) -> bytes:
-    e2e_rows: list[tuple[str, float, float | None, tuple[int, int, int], str]] = []
-    targets: dict[str, float] = {}
-    if e2e:
-        r = e2e.get("results", {})
-        targets = {"store4096": 2.0, "retrieve_out4096": 6.0, "fan_outs": 8.0, "fan_no": 3.0}
-        for w in r.get("store", {}).get("rows", []):
-            e2e_rows.append((f"store T={w['T']}", w["speedup"],
-                             targets["store4096"] if w["T"] == 4096 else None, BLUE,
-                             f"{w['speedup']:.1f}x"))
-        for w in r.get("retrieve", {}).get("rows", []):
-            e2e_rows.append((f"retrieve T={w['T']}", w["speedup"], None, BLUE,
-                             f"{w['speedup']:.1f}x"))
-            e2e_rows.append((f"retrieve out= T={w['T']}", w["speedup_out"],
-                             targets["retrieve_out4096"] if w["T"] == 4096 else None, GREEN,
-                             f"{w['speedup_out']:.1f}x"))
-        f = r.get("fanout")
-        if f:
-            e2e_rows.append(("fan-out 32 outs=", f["ratio_with_outs"], targets["fan_outs"],
-                             ORANGE, f"{f['ratio_with_outs']:.1f}x"))
-            e2e_rows.append(("fan-out 32 no outs", f["ratio_no_outs"], targets["fan_no"],
-                             ORANGE, f"{f['ratio_no_outs']:.1f}x"))
-        lk = r.get("lookup")
-        if lk:
-            e2e_rows.append(("lookup 64 vs best SDK", lk["ratio_64_vs_best_sdk"], None, ORANGE,
-                             f"{lk['ratio_64_vs_best_sdk']:.1f}x"))
-        sk = r.get("soak")
-        if sk:
-            e2e_rows.append(("soak vs SDK 8 threads", sk["ratio_vs_sdk_8"], None, ORANGE,
-                             f"{sk['ratio_vs_sdk_8']:.1f}x"))
-            e2e_rows.append(("soak vs SDK 1 thread", sk["ratio_vs_sdk_1"], None, ORANGE,
-                             f"{sk['ratio_vs_sdk_1']:.1f}x"))
-    k_rows: list[tuple[str, float, float | None, tuple[int, int, int], str]] = []
-    if kernel:
-        for res in kernel.get("results", []):
-            for p in ("gather", "scatter", "pack", "unpack", "paged->chunks", "chunks->paged"):
-                c, t = res.get(p, {}).get("c"), res.get(p, {}).get("torch")
-                if c and t:
-                    k_rows.append((f"{p} T={res['T']}", c / t, None, BLUE if c >= t else GREY,
-                                   f"{c / t:.1f}x {c:.0f}GB/s"))
-    h = 66 + (38 + 22 * max(1, len(e2e_rows)) + 30) + 10 + (38 + 22 * max(1, len(k_rows)) + 30)
-    cv = Canvas(1100, h)
-    y = 16
-    cv.text(20, y, "lmkv_async benchmarks", BLACK, 3)
-    sub = []
-    if e2e:
-        sub.append(f"e2e {e2e.get('date', '')[:16]}")
-    if kernel:
-        sub.append(f"kernel: median of {kernel.get('reps')} reps")
-    m = (e2e or {}).get("machine", {})
-    sub.append(f"{m.get('nproc', os.cpu_count())} CPUs {m.get('cpu_model', cpu_model())}")
-    cv.text(20, y + 28, "  ".join(sub), GREY, 1)
-    y += 50
-    y = bar_panel(cv, y, "E2E speed-up over the official lmcache SDK (median ratio)",
-                  "log scale; >1x = lmkv_async faster; red mark = target; "
-                  "blue/green latency ratios, orange throughput ratios", e2e_rows)
-    y += 10
-    bar_panel(cv, y, "Copy kernel: C vs torch fallback (GB/s ratio)",
-              "log scale; label: speed-up and C kernel GB/s", k_rows)
-    return cv.png()
+def _errors(items: Sequence[Ratio]) -> tuple[list[float], list[float]]:
+    """matplotlib's asymmetric error lengths; 0 where a result file kept no samples."""
+    below = [max(0.0, r.value - r.spread[0]) if r.spread else 0.0 for r in items]
+    above = [max(0.0, r.spread[1] - r.value) if r.spread else 0.0 for r in items]
+    return below, above
+
+
+def draw_e2e(ratios: list[Ratio], e: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    colors = {"latency": "#2e6ebe", "throughput": "#e68c28"}
+    n = len(ratios)
+    fig, ax = plt.subplots(figsize=(9, 0.38 * n + 1.9), layout="constrained")
+    ys = list(range(n))[::-1]
+    ax.barh(ys, [r.value - 1.0 for r in ratios], left=1.0, height=0.6,
+            color=[colors[r.group] for r in ratios], alpha=0.35)
+    below, above = _errors(ratios)
+    ax.errorbar([r.value for r in ratios], ys, xerr=[below, above], fmt="o", color="black",
+                ecolor="black", elinewidth=1.2, capsize=3, markersize=4, zorder=3)
+    for y, r in zip(ys, ratios, strict=True):
+        if r.goal:
+            ax.plot([r.goal], [y], marker="|", markersize=16, markeredgewidth=2, color="#c82828",
+                    zorder=4)
+    spans = [v for r in ratios
+             for v in (r.value, *(r.spread or ()), *((r.goal,) if r.goal else ()))]
+    _log_ratio_axis(ax, spans, vertical=False, headroom=1.8)  # room for the labels
+    for y, r in zip(ys, ratios, strict=True):
+        right = max(r.value, r.spread[1] if r.spread else r.value, r.goal or 0.0)
+        ax.text(right * 1.06, y, f"{r.value:.2f}x", va="center", fontsize=8)
+    ax.set_yticks(ys, [r.label for r in ratios], fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    srv = e.get("server", {})
+    g = e.get("geometry", {})
+    ax.set_title(f"lmkv_async vs the official lmcache SDK, lmcache {srv.get('version', '?')}, "
+                 f"L={g.get('L')} NH={g.get('NH')} HS={g.get('HS')} {g.get('dtype')}",
+                 fontsize=10, loc="left")
+    ax.set_xlabel("same-run ratio, log scale (> 1x: lmkv_async faster); "
+                  f"bars: p10-p90 over the runs ({e.get('reps')} reps each side)", fontsize=9)
+    ax.legend(handles=[
+        Line2D([], [], color=colors["latency"], lw=6, alpha=0.5, label="latency: SDK / lmkv"),
+        Line2D([], [], color=colors["throughput"], lw=6, alpha=0.5,
+               label="throughput: lmkv / SDK"),
+        Line2D([], [], color="#c82828", marker="|", lw=0, markersize=12, markeredgewidth=2,
+               label="target"),
+    ], loc="lower right", fontsize=8, framealpha=0.9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_kernel(k: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    results = k.get("results", [])
+    Ts = [res["T"] for res in results]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.4), layout="constrained")
+    width = 0.8 / max(1, len(Ts))
+    cmap = plt.get_cmap("viridis")
+    speedups: list[float] = []
+    vs_stream: list[float] = []
+    for j, res in enumerate(results):
+        xs = [i + (j - (len(Ts) - 1) / 2) * width for i in range(len(PATHS))]
+        color = cmap(j / max(1, len(Ts) - 1) * 0.85)
+        ratio, low, high = [], [], []
+        for p in PATHS:
+            c, t = res.get(p, {}).get("c"), res.get(p, {}).get("torch")
+            v = c / t if c and t else float("nan")
+            # per-run times, when the result file has them (bench_kernel.py writes c_s/torch_s)
+            sp = spread(res.get(p, {}).get("torch_s"), res.get(p, {}).get("c_s"))
+            ratio.append(v)
+            low.append(max(0.0, v - sp[0]) if sp else 0.0)
+            high.append(max(0.0, sp[1] - v) if sp else 0.0)
+        speedups += [v for v in ratio if v == v]
+        # bars grow from 1x, so a ratio below 1x points down
+        top.bar(xs, [v - 1.0 for v in ratio], bottom=1.0, width=width * 0.9, color=color,
+                label=f"T={res['T']}")
+        if any(low) or any(high):
+            top.errorbar(xs, ratio, yerr=[low, high], fmt="none", ecolor="black",
+                         elinewidth=1, capsize=2)
+        st = [res.get(p, {}).get("c_vs_stream", float("nan")) for p in PATHS]
+        runs = [res.get(p, {}).get("c_vs_stream_runs") for p in PATHS]
+        lo2 = [max(0.0, v - r["p10"]) if r else 0.0 for v, r in zip(st, runs, strict=True)]
+        hi2 = [max(0.0, r["p90"] - v) if r else 0.0 for v, r in zip(st, runs, strict=True)]
+        vs_stream += [v for v in st if v == v]
+        bottom.bar(xs, [v - 1.0 for v in st], bottom=1.0, width=width * 0.9, color=color,
+                   label=f"T={res['T']}")
+        if any(lo2) or any(hi2):
+            bottom.errorbar(xs, st, yerr=[lo2, hi2], fmt="none", ecolor="black",
+                            elinewidth=1, capsize=2)
+    has_spread = any(res.get(p, {}).get("c_s") for res in results for p in PATHS)
+    note = ("error bars: p10-p90 over the runs" if has_spread else
+            "no error bars: this result file keeps medians only (bench_kernel.py now "
+            "records every run)")
+    for ax, values, title in (
+            (top, speedups, "C kernel vs the torch fallback (GB/s ratio, > 1x: C faster)"),
+            (bottom, vs_stream, "C kernel vs a streaming copy of the same bytes, same run "
+                                "(1x: the machine's copy ceiling)")):
+        _log_ratio_axis(ax, values, vertical=True)
+        ax.set_xticks(range(len(PATHS)), PATHS, fontsize=9)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(axis="y", alpha=0.3)
+    top.legend(fontsize=8, ncols=len(Ts), loc="upper right")
+    g = k.get("geometry", {})
+    m = k.get("machine", {})
+    bottom.set_xlabel(f"L={g.get('L')} NH={g.get('NH')} HS={g.get('HS')} {g.get('dtype')}, "
+                      f"median of {k.get('reps')} reps, {m.get('kernel_threads')} kernel "
+                      f"threads, {m.get('cpus')} CPUs; log scale\n{note}", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- main
@@ -525,33 +524,55 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--md", default=str(ROOT / "docs" / "benchmarks.md"))
-    ap.add_argument("--png", default=str(ROOT / "docs" / "benchmarks.png"))
+    ap.add_argument("--charts", default=None,
+                    help="directory of the PNGs (default: next to --md)")
     args = ap.parse_args()
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("report.py draws with matplotlib: pip install 'lmkv_async[bench]'"
+                         ) from None
+    matplotlib.use("Agg")  # files only, no display
     res = Path(args.results)
     kernel = load(res / "kernel.json")
     e2e = load(res / "e2e.json")
     if kernel is None and e2e is None:
         raise SystemExit(f"no kernel.json or e2e.json under {res}")
-    png_path, md_path = Path(args.png), Path(args.md)
+    md_path = Path(args.md)
+    charts = Path(args.charts) if args.charts else md_path.parent
+    charts.mkdir(parents=True, exist_ok=True)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def img(name: str, alt: str) -> list[str]:
+        return [f"![{alt}]({os.path.relpath(charts / name, md_path.parent)})", ""]
+
     lines = [
         "# Benchmarks",
         "",
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `python benchmarks/report.py` "
         f"on a machine with `nproc` = {os.cpu_count()} ({cpu_model()}). The numbers come "
         "from the result files below; on a small, shared machine absolute numbers move "
-        "from run to run, so read the same-run ratios.",
-        "",
-        f"![benchmark summary]({os.path.relpath(png_path, md_path.parent)})",
+        "from run to run, so read the same-run ratios. The charts draw them on log axes; "
+        "an error bar spans the p10-p90 of the ratio over every pair of one run of each side "
+        "(in the tables, the same spread follows a ratio in brackets).",
         "",
     ]
+    written = []
     if e2e is not None:
-        lines += e2e_md(e2e)
+        ratios = e2e_ratios(e2e)
+        body = e2e_md(e2e)
+        lines += body[:2] + img(E2E_PNG, "lmkv_async vs the official SDK: same-run ratios") \
+            + body[2:]
+        draw_e2e(ratios, e2e, charts / E2E_PNG)
+        written.append(charts / E2E_PNG)
     if kernel is not None:
-        lines += kernel_md(kernel)
-    md_path.parent.mkdir(parents=True, exist_ok=True)
+        body = kernel_md(kernel)
+        lines += body[:2] + img(KERNEL_PNG, "copy kernel: C vs torch and vs a streaming copy") \
+            + body[2:]
+        draw_kernel(kernel, charts / KERNEL_PNG)
+        written.append(charts / KERNEL_PNG)
     md_path.write_text("\n".join(lines).rstrip() + "\n")
-    png_path.write_bytes(draw_png(kernel, e2e))
-    print(f"wrote {md_path} and {png_path}")
+    print(f"wrote {md_path} and " + ", ".join(str(p) for p in written))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Quick start::
         out = await ctx.retrieve(tokens)       # [2, L, n, D], or None on a miss
 """
 
-from . import wire
+from . import _logctx, wire
 from .api import close, lookup, retrieve, store
 from .context import AsyncKVContext, StoreResult, TransportMode, connect
 from .errors import (
@@ -38,6 +38,8 @@ from .layout import KVLayout
 from .wire.events import KVRemoved, KVResync, KVStored
 
 __version__ = "0.1.0"
+
+_logctx.install()  # op / server / request_id on every log record of the package
 
 __all__ = [
     "AsyncKVContext",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _session, kernel
+from . import _logctx, _session, kernel
 from ._release import Prepared, lookup_release, retrieve_release
 from ._session import OpState, Session
 from .errors import (
@@ -84,7 +84,10 @@ class _Seq:
 
 def _seq(s: Session, kind: str, toks: list[int], salt: str, n: int) -> _Seq:
     conn = s.transport.pick()
-    return _Seq(conn, conn.generation, s.key_encoder(toks, salt), _new_request_id(kind), n)
+    rid = _new_request_id(kind)
+    # The operation's task (Session.run) and the release tasks it starts log with these.
+    _logctx.bind(op=kind, server=s.url, request_id=rid)
+    return _Seq(conn, conn.generation, s.key_encoder(toks, salt), rid, n)
 
 
 async def _cleanup(s: Session, seq: _Seq, req: requests.Request) -> object:

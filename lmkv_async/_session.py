@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
+from . import _logctx
 from ._locks import KeyedLock
 from .errors import (
     ClosedError,
@@ -364,6 +365,7 @@ class Session:
 
     async def _heartbeat_loop(self) -> None:
         assert self.heartbeat_interval is not None
+        _logctx.bind(op="heartbeat", server=self.url)  # this task's records
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             try:

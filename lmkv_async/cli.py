@@ -35,7 +35,9 @@ Commands that need a registration (``status``, ``lookup``, ``events``) use
 ``--layout L,NH,HS,dtype,block`` when given, else the layout an engine
 registered for ``--model``, else a one-element probe layout (lookups do not
 depend on the geometry: keys hash the model name, world size, tokens and salt).
-The package itself never imports this module, typer or rich.
+The package itself never imports this module, typer or rich; without them
+importing it raises :class:`ImportError` and the ``lmkv`` console script
+(:mod:`lmkv_async.__main__`) prints :data:`MISSING_EXTRA` and exits with 5.
 """
 
 from __future__ import annotations
@@ -56,13 +58,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
-try:
-    import typer
-except ImportError as _exc:  # pragma: no cover - exercised without the extra
-    raise SystemExit(
-        "lmkv: the command line needs the 'cli' extra: pip install 'lmkv_async[cli]'"
-    ) from _exc
-
 import torch
 
 from . import __version__
@@ -78,7 +73,18 @@ from .errors import (
 from .http import HttpClient, resolve_api_key
 from .layout import SUPPORTED_DTYPES, KVLayout, LayoutNotFoundError
 
-__all__ = ["EXIT_CODES", "ExitCode", "exit_code_for", "main", "parse_layout"]
+#: What ``lmkv`` prints (one line, exit code 5) when typer or rich is not installed.
+MISSING_EXTRA = "the lmkv command line needs the 'cli' extra: pip install 'lmkv_async[cli]'"
+
+try:
+    import rich  # noqa: F401  (tables and progress bars; imported where used)
+    import typer
+except ImportError as _exc:  # exercised without the extra (tests/test_cli.py)
+    # An ImportError, not SystemExit: importing this module is a library call; the
+    # console script (lmkv_async.__main__) turns it into one line and exit code 5.
+    raise ImportError(MISSING_EXTRA) from _exc
+
+__all__ = ["EXIT_CODES", "MISSING_EXTRA", "ExitCode", "exit_code_for", "main", "parse_layout"]
 
 log = logging.getLogger("lmkv_async.cli")
 
@@ -326,6 +332,14 @@ LayoutOpt = Annotated[
 SaltOpt = Annotated[str, typer.Option("--salt", help="cache_salt (namespace) to use.")]
 
 
+def _print_version(value: bool) -> None:
+    # An eager option callback runs while parsing, before click checks that a
+    # command was given, so `lmkv --version` works on its own.
+    if value:
+        sys.stdout.write(f"lmkv_async {__version__}\n")
+        raise typer.Exit(0)
+
+
 def _root(
     url: Annotated[str, typer.Option("--url", envvar="LMKV_URL",
                                      help="ZMQ endpoint of the server.")] = _G.url,
@@ -343,12 +357,9 @@ def _root(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
     version: Annotated[bool, typer.Option("--version", help="Print lmkv_async's version.",
-                                          is_eager=True)] = False,
+                                          is_eager=True, callback=_print_version)] = False,
 ) -> None:
     """lmkv: talk to an LMCache multiprocess KV-cache server."""
-    if version:
-        sys.stdout.write(f"lmkv_async {__version__}\n")
-        raise typer.Exit(0)
     if transport not in ("auto", "shm", "pickle"):
         raise typer.BadParameter("must be auto, shm or pickle", param_hint="--transport")
     if "://" not in url:
@@ -966,7 +977,7 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 def _console_script() -> None:
-    """Entry point of the ``lmkv`` console script."""
+    """``python -m lmkv_async.cli``: run :func:`main` and exit with its code."""
     sys.exit(main())
 
 
