@@ -122,6 +122,8 @@ class Session:
         self.chunk_size = 0
         self.pool: PoolMapping | None = None
         self._retired_pools: list[PoolMapping] = []
+        #: pre-faulting of a pool mapped on re-registration (runs behind operations)
+        self._populating: set[asyncio.Future[str]] = set()
         self.mode: Literal["shm", "pickle"] = "pickle"
         self.slot_spec: SlotSpec | None = None
         self._registered_generation = -1
@@ -319,9 +321,16 @@ class Session:
                     "stores and lookups work, retrieves from this SHM server raise "
                     "TransportUnavailableError", reply.shm_name, exc)
             else:
-                if self._prefault:
+                if self._prefault and old_pool is None and not self._populating:
                     how = await asyncio.to_thread(pool.populate)
                     log.debug("pre-faulted SHM pool %s (%s)", reply.shm_name, how)
+                elif self._prefault:
+                    # Re-registration (a restarted server): an operation is waiting on us,
+                    # and faulting a multi-GB pool under load can outlast its deadline.
+                    # Pages fault in on use meanwhile; teardown waits before unmapping.
+                    job = asyncio.ensure_future(asyncio.to_thread(pool.populate))
+                    self._populating.add(job)
+                    job.add_done_callback(self._populating.discard)
                 new_pool = pool
                 mode = "shm"
         elif self.requested_transport == "shm":
@@ -445,6 +454,8 @@ class Session:
                 log.warning("unregister failed: %s", exc)
         self.transport.close()
         await self.http.aclose()
+        if self._populating:  # a pre-fault thread may still touch the mapping
+            await asyncio.gather(*self._populating, return_exceptions=True)
         for pool in [self.pool, *self._retired_pools]:
             if pool is not None:
                 pool.close()
