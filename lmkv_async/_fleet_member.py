@@ -367,7 +367,8 @@ class FleetMember:
             await self.session.close()
 
     # ------------------------------------------------------------------ lookups
-    async def _direct(self, toks: list[int], salt: str, n: int, deadline: float
+    async def _direct(self, toks: list[int], salt: str, n: int, deadline: float,
+                      release_gate: asyncio.Future[None] | None = None
                       ) -> int | KVCacheError:
         """One lookup RPC sequence; failures are returned as values and update health."""
         s = self.session
@@ -379,7 +380,7 @@ class FleetMember:
             return exc
         self.in_flight += 1
         try:
-            hit = await _ops.lookup(s, toks, salt, n, deadline)
+            hit = await _ops.lookup(s, toks, salt, n, deadline, release_gate)
         except ServerTimeoutError as exc:
             self._note_timeout(exc)
             return exc

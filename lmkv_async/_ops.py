@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import torch
@@ -165,8 +165,25 @@ async def _release_lookup(s: Session, seq: _Seq, *, free_hit: bool) -> None:
         await _end_session(s, seq)
 
 
-async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float) -> int:
-    """Cached prefix of ``toks[:n]`` in tokens; leaves no lock behind."""
+async def _after(gate: asyncio.Future[None] | None, deadline: float,
+                 steps: Coroutine[object, object, None]) -> None:
+    """Run release ``steps`` once ``gate`` is done (or the deadline passed)."""
+    try:
+        if gate is not None and not gate.done():
+            await asyncio.wait({gate}, timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        await steps
+
+
+async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float,
+                 release_gate: asyncio.Future[None] | None = None) -> int:
+    """Cached prefix of ``toks[:n]`` in tokens; leaves no lock behind.
+
+    ``release_gate``: hold the release steps back until it is done (at the latest
+    until the deadline). A fan-out passes one it resolves when every server has
+    answered, so one server's release steps do not compete with the lookups still
+    in flight on the others, on this event loop and on shared CPUs.
+    """
 
     async def op(state: OpState) -> int:
         await s.ensure_registered(deadline)
@@ -174,7 +191,8 @@ async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float
         try:
             return await _lookup_locked(s, seq, deadline) * s.chunk_size
         finally:
-            s.release_later(_release_lookup(s, seq, free_hit=True))
+            s.release_later(_after(release_gate, deadline,
+                                   _release_lookup(s, seq, free_hit=True)))
 
     return await s.run(op)
 

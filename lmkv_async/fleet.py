@@ -301,6 +301,8 @@ class Fleet:
             coord.remap_soon()  # members the coordinator did not know yet
             source = "auto"  # the rest: as usual (a member the directory cannot speak for)
         direct: dict[str, asyncio.Task[int | KVCacheError]] = {}
+        # Release steps of the direct lookups wait until all of them are answered.
+        release_gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         synced = []
         for name, member in self._members.items():
             if name in out:
@@ -316,7 +318,8 @@ class Fleet:
                                                       server=member.url)
                 out.sources[name] = "index"
             else:
-                direct[name] = asyncio.ensure_future(member._direct(toks, salt, n, deadline))
+                direct[name] = asyncio.ensure_future(
+                    member._direct(toks, salt, n, deadline, release_gate))
         if synced:
             packed = token_bytes(toks[:n])
             for name, chunks in self._index.longest(packed, n // C, salt, synced).items():
@@ -329,6 +332,8 @@ class Fleet:
                 for task in direct.values():
                     task.cancel()  # their release steps still run (shielded in _ops)
                 raise
+            finally:
+                release_gate.set_result(None)
             for name, task in direct.items():
                 out.sources[name] = "lookup"
                 if task in done:
