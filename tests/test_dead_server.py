@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from collections.abc import Callable
 import pytest
 from servers import VERSIONS, assert_no_leaks
 from test_context import LAYOUT, random_kv, same_bits, tokens_for
+from timing import SLACK
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -28,8 +28,9 @@ from lmkv_async.transport import RECONNECT_GRACE
 
 pytestmark = pytest.mark.anyio
 
-#: Extra seconds allowed on top of a bound, scaled for loaded machines.
-SLACK = 0.5 * float(os.environ.get("LMKV_TEST_SLACK_SCALE", "1"))
+#: The kill test's bound is the issue's own (grace + 0.5 s, not scaled); a loaded machine
+#: gets the suite-wide lateness (timing.SLACK) only where that is larger.
+KILL_SLACK = max(0.5, SLACK / 3)
 REPS = {"0.5.6": 10}  # other versions: 3
 
 
@@ -84,7 +85,7 @@ async def test_sigkill_fails_every_call_within_the_grace(
                        for _, e in late), late
             slowest = max(t for t, _ in late)
             worst.append(slowest)
-            assert slowest <= RECONNECT_GRACE + SLACK, (
+            assert slowest <= RECONNECT_GRACE + KILL_SLACK, (
                 f"rep {rep}: the last call failed {slowest:.2f}s after the kill "
                 f"(grace {RECONNECT_GRACE}s): {sorted(round(t, 2) for t, _ in late)}")
             # A real restart on the same ports: the context re-registers by itself.
