@@ -71,6 +71,9 @@ CLEANUP_TIMEOUT = 30.0
 CLOSE_BUDGET = 3.0
 UNREGISTER_TIMEOUT = 1.5
 
+#: ``--l1-read-ttl-seconds`` default (0.5.2 .. 0.5.7), used when ``/config`` lacks it
+DEFAULT_READ_TTL = 300.0
+
 _NEWEST = ".".join(map(str, NEWEST_TESTED))
 
 
@@ -136,6 +139,9 @@ class Session:
         self.state: Literal["new", "open", "closing", "closed"] = "new"
         self._abandoned = False  # close gave up on unanswered requests: send nothing more
         self.reap_timeout: float | None = None
+        #: the server's L1 read-lock TTL (``--l1-read-ttl-seconds``; 300 s by default on
+        #: every supported release, compat.md §6.6), from ``/config`` at connect
+        self.read_ttl = DEFAULT_READ_TTL
 
     @property
     def layout(self) -> KVLayout:
@@ -228,6 +234,10 @@ class Session:
         chunk = mp.get("chunk_size")
         if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
             self.chunk_size = chunk
+        l1 = (config.get("storage_manager") or {}).get("l1_manager_config") or {}
+        ttl = l1.get("read_ttl_seconds") if isinstance(l1, dict) else None
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0:
+            self.read_ttl = float(ttl)
         reap = mp.get("worker_reap_timeout_seconds")
         if isinstance(reap, (int, float)) and reap > 0:
             self.reap_timeout = float(reap)
