@@ -213,9 +213,10 @@ async def test_non_shm_context_raises_before_traffic(
     if server.config.shm:
         pytest.skip("pickle servers only")
     async with checked_context(server, model_name(), layout=LAYOUT, timeout=20) as ctx:
-        monkeypatch.setattr(ctx._transport, "pick", lambda: pytest.fail("traffic sent"))
-        with pytest.raises(lmkv.TransportUnavailableError, match="SHM"):
-            ctx.retrieve_view(tokens_for(ctx.chunk_size))  # raises before it is entered
+        with monkeypatch.context() as m:
+            m.setattr(ctx._transport, "pick", lambda: pytest.fail("traffic sent"))
+            with pytest.raises(lmkv.TransportUnavailableError, match="SHM"):
+                ctx.retrieve_view(tokens_for(ctx.chunk_size))  # raises before it is entered
 
 
 async def test_long_hold_warns_then_views_raise(
