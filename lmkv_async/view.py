@@ -184,7 +184,7 @@ class RetrieveView:
         self._nbytes = 1
         for dim in chunk_shape:
             self._nbytes *= dim
-        self._nbytes *= torch.empty((), dtype=dtype).element_size()
+        self._nbytes *= dtype.itemsize
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
