@@ -120,6 +120,9 @@ class Floor:
     """A bare blocking pyzmq DEALER sending lmkv's own lookup frames: the wire's floor."""
 
     def __init__(self, ctx: lmkv.AsyncKVContext) -> None:
+        # the same sequence lmkv sends: query right behind the lookup when the server's
+        # normal pool is one ordered thread
+        self.pipelined = ctx._s.ordered_normal_pool
         self.d = ctx.dialect
         self.ws = ctx.layout.world_size
         self.zctx = zmq.Context()
@@ -136,6 +139,9 @@ class Floor:
         return self.uid
 
     def wait(self, uid: int) -> object:
+        """The reply to ``uid`` (None if it already came while waiting for another)."""
+        if uid not in self.outstanding:
+            return None
         while True:
             if not self.sock.poll(30_000):
                 raise TimeoutError("floor client: no reply in 30 s")
@@ -154,8 +160,12 @@ class Floor:
         enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
         n = len(toks)
         key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=None)
-        self.wait(self.send(requests.lookup(self.d, key, self.ws)))
+        ack = self.send(requests.lookup(self.d, key, self.ws))
+        if not self.pipelined:
+            self.wait(ack)
         hit = self.wait(self.send(requests.query_prefetch_status(self.d, rid)))
+        if self.pipelined:
+            self.wait(ack)
         assert isinstance(hit, int) and hit > 0, hit
         fkey = enc.encode(prefix_len=n, start=0, end=hit * C, request_id=rid, worker_id=None)
         # release like lmkv: sent now, replies collected later
@@ -356,7 +366,7 @@ class Bench:
             if any(not r.ok or r.value != T for r in res):
                 raise RuntimeError("lookup_many missed")
         sdk = await self.sdk_lookup(T, n)
-        out: dict[str, Any] = {"T": T, "n_per_rep": n}
+        out: dict[str, Any] = {"T": T, "n_per_rep": n, "pipelined": floor.pipelined}
         for who in ("lmkv", "floor"):
             out[f"seq_{who}"] = summarize(seq[who])
             out[f"seq_{who}_latency"] = summarize(lat[who])

@@ -136,9 +136,28 @@ async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
     key = seq.enc.encode(prefix_len=seq.n, start=0, end=seq.n, request_id=seq.rid,
                          worker_id=None)
     seq.lookup_sent = True
-    await s.rpc(seq.conn, requests.lookup(s.d, key, s.layout.world_size), deadline,
-                request_id=seq.rid, grace_from=seq.started)
-    hit = await _prefetch_result(s, seq, deadline)
+    req = requests.lookup(s.d, key, s.layout.world_size)
+    if s.ordered_normal_pool and seq.conn.connected:
+        # Pipelined: the query goes right behind the lookup (one round trip, not two).
+        # Safe only because one server thread runs both in order (see Session).
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ack = asyncio.ensure_future(s.rpc(seq.conn, req, deadline, request_id=seq.rid,
+                                          grace_from=seq.started, sent=sent))
+        try:
+            await asyncio.wait((sent, ack), return_when=asyncio.FIRST_COMPLETED)
+            if not sent.done():
+                await ack  # failed before it was sent: raises
+                raise ProtocolError("lookup was not sent", op="lookup", server=s.url)
+            hit = await _prefetch_result(s, seq, deadline)
+            seq.hit = min(hit, seq.n // C)  # consumed: the release frees it even if ack fails
+            await ack
+        finally:
+            if not ack.done():
+                ack.cancel()  # we are failing or cancelled: the release steps take over
+                await asyncio.gather(ack, return_exceptions=True)
+    else:
+        await s.rpc(seq.conn, req, deadline, request_id=seq.rid, grace_from=seq.started)
+        hit = await _prefetch_result(s, seq, deadline)
     if hit > seq.n // C:
         seq.hit = seq.n // C
         raise ProtocolError(f"server reports {hit} hit chunks for {seq.n // C} looked up",

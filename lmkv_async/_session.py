@@ -142,6 +142,8 @@ class Session:
         #: the server's L1 read-lock TTL (``--l1-read-ttl-seconds``; 300 s by default on
         #: every supported release, compat.md §6.6), from ``/config`` at connect
         self.read_ttl = DEFAULT_READ_TTL
+        #: the server's normal pool is one thread (``/config mp.max_cpu_workers == 1``)
+        self.ordered_normal_pool = False
 
     @property
     def layout(self) -> KVLayout:
@@ -238,6 +240,12 @@ class Session:
         ttl = l1.get("read_ttl_seconds") if isinstance(l1, dict) else None
         if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0:
             self.read_ttl = float(ttl)
+        # One normal-pool thread (the default on every release) runs lookup and
+        # query_prefetch_status in arrival order, so the query may follow the lookup
+        # without waiting for its ack; with more threads it could overtake it, read 0
+        # and leave the lookup's locks behind (protocol reference §2.6).
+        workers = mp.get("max_cpu_workers")
+        self.ordered_normal_pool = isinstance(workers, int) and workers == 1
         reap = mp.get("worker_reap_timeout_seconds")
         if isinstance(reap, (int, float)) and reap > 0:
             self.reap_timeout = float(reap)
@@ -463,7 +471,8 @@ class Session:
     # ------------------------------------------------------------------ plumbing
     async def rpc(self, conn: Connection, req: Request, deadline: float,
                   on_late: LateHandler | None = None, request_id: str | None = None,
-                  grace_from: float | None = None) -> object:
+                  grace_from: float | None = None,
+                  sent: asyncio.Future[None] | None = None) -> object:
         """One request within ``deadline``; errors carry op, server and request id.
 
         ``grace_from``: when the request's operation began (one reconnect grace per
@@ -478,7 +487,7 @@ class Session:
         try:
             reply = await conn.request(req, timeout=remaining, on_late=on_late,
                                        late_window=CLEANUP_TIMEOUT, request_id=request_id,
-                                       grace_from=grace_from)
+                                       grace_from=grace_from, sent=sent)
             self.loop_dead = False
             return reply.result()
         except ServerTimeoutError as exc:
