@@ -305,11 +305,20 @@ class ViewHold:
         self._state = state
         #: when the lookup was sent: the server's read lock is younger than this
         self.started = started
+        #: called once the hold ends for any reason (also when aclose() gives up on it
+        #: and cancels the task, just before the pool is unmapped)
+        self.on_end: list[Callable[[], None]] = []
 
     def release(self) -> None:
         """End the hold: the task sends the release steps in the background."""
         self._state.abandoned = True
         self._done.set()
+
+    def end(self) -> None:
+        """End the hold from outside the block (the context is closing)."""
+        for cb in self.on_end:
+            cb()
+        self.release()
 
 
 async def open_view(s: Session, toks: list[int], n: int, salt: str,
@@ -330,7 +339,13 @@ async def open_view(s: Session, toks: list[int], n: int, salt: str,
                       nbytes: int) -> None:
         if not ready.done():  # the caller gave up already: release at once
             ready.set_result(chunks)
-            await done.wait()
+            s.open_views.add(hold.end)
+            try:
+                await done.wait()
+            finally:
+                s.open_views.discard(hold.end)
+                for cb in hold.on_end:
+                    cb()
 
     task = s.track(asyncio.create_task(
         _retrieve_seq(s, state, toks, n, salt, consume, deadline)))

@@ -135,6 +135,9 @@ class Session:
         #: prepare_retrieve of the same key would overwrite the first's pending read.
         self.read_gates = KeyedLock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: open retrieve_view blocks: close() ends them first, so their release steps
+        #: run (and their tensors raise) instead of waiting out CLOSE_BUDGET
+        self.open_views: set[Callable[[], None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.state: Literal["new", "open", "closing", "closed"] = "new"
         self._abandoned = False  # close gave up on unanswered requests: send nothing more
@@ -425,6 +428,8 @@ class Session:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        for end_view in list(self.open_views):
+            end_view()
         budget = 1.0 if self.loop_dead else CLOSE_BUDGET
         give_up = time.monotonic() + budget
         # Unregistering with a reservation outstanding would publish it (§6.6): wait for

@@ -507,6 +507,11 @@ class _ViewBlock:
             region=pool.region if pool is not None else Region(0, 0), started=started,
             read_ttl=s.read_ttl)
         self._view = view
+        if self._hold is not None:
+            # aclose() ends open views (and then unmaps the pool): the tensors must
+            # raise from then on, not touch unmapped memory
+            self._hold.on_end.append(lambda: view._close(
+                "the context was closed while the retrieve_view block was running"))
         if chunks:
             delay = max(0.0, view.safe_hold_s - view.held_s)
             self._timer = asyncio.get_running_loop().call_later(delay, self._warn_long_hold)

@@ -236,5 +236,6 @@ class RetrieveView:
         return dst
 
     def _close(self, reason: str) -> None:
-        self._guard.reason = reason
+        if self._guard.reason is None:  # the first reason is the one users need to see
+            self._guard.reason = reason
         self._tensors = None

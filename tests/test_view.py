@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
 from servers import assert_quiescent, checked_context
 from test_context import LAYOUT, model_name, random_kv, same_bits, tokens_for
-from timing import SETTLE, eventually
+from timing import SETTLE, SLACK, eventually, fast
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -236,3 +237,22 @@ async def test_long_hold_warns_then_views_raise(
             with pytest.raises(lmkv.ViewClosedError, match="TTL"):
                 t.sum()
         await assert_quiescent(ctx)
+
+
+async def test_aclose_inside_the_block_closes_the_view(server: LocalServer) -> None:
+    """aclose() ends an open view first (its release steps run, nothing is left on the
+    server), then unmaps the pool: the tensors raise instead of touching unmapped memory."""
+    if not server.config.shm:
+        pytest.skip("SHM servers only")
+    async with checked_context(server, model_name(), layout=LAYOUT, timeout=20) as ctx:
+        toks, kv = await stored(ctx, 1, seed=12)
+        async with ctx.retrieve_view(toks) as view:
+            t = view.tensors[0]
+            assert same_bits(t, kv)
+            t0 = time.monotonic()
+            await ctx.aclose()
+            fast(time.monotonic() - t0, limit=SLACK, what="aclose with a view open")
+            assert view.closed
+            with pytest.raises(lmkv.ViewClosedError, match="context was closed"):
+                t.sum()
+    # checked_context then finds the server clean (no session, lock or registration)
