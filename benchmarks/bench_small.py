@@ -17,7 +17,11 @@ lmcache-driven registration of the benchmark model (L=32, NH=8, HS=128, bf16, BS
             release), alternating blocks; and 64 in flight (``lookup_many``) vs the official
             SDK with 8 threads (``benchmarks/sdk_peer.py`` in the server's Python)
   looplag   a 1 ms ticker's largest gap while a 512 MiB retrieve is awaited, with and
-            without ``out=`` (the output pool warmed first)
+            without ``out=`` (the output pool warmed first), and with nothing to do (the
+            machine's own jitter)
+  pipelining  before/after of the pipelined lookup in one process: lookup (T=1024) and
+            retrieve(out=) (T=256) latency with the query sent behind the lookup, and
+            after its ack (the earlier sequence), alternating
 
 Run from the repo root (dev venv: ``PYTHONPATH=.``)::
 
@@ -81,7 +85,7 @@ LAYOUT = lmkv.KVLayout(num_layers=L, num_kv_heads=NH, head_dim=HS, dtype=DTYPE, 
 GEOMETRY = {"num_layers": L, "num_kv_heads": NH, "head_dim": HS, "dtype": "bfloat16"}
 VOCAB = 150_000
 SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
-SECTIONS = ("copy", "view", "lookup", "looplag")
+SECTIONS = ("copy", "view", "lookup", "looplag", "pipelining")
 
 
 def log(msg: str) -> None:
@@ -470,6 +474,13 @@ class Bench:
         got = await self.c.retrieve(toks)  # warms the output pool
         del got
         gc.collect()
+        idle = []
+        for _ in range(self.reps):  # the machine's own jitter: the ticker with nothing to do
+            async with LoopTicker() as ticker:
+                await asyncio.sleep(0.07)
+            idle.append(ticker.max_gap)
+        log(f"   idle ticker: max gap median {statistics.median(idle) * 1e3:.2f} ms, worst "
+            f"{max(idle) * 1e3:.2f}")
         rows = []
         for variant in ("no out", "out="):
             gaps, durs = [], []
@@ -487,7 +498,45 @@ class Bench:
                          "max_gap": summarize(gaps), "retrieve_s": summarize(durs)})
             log(f"   {variant:<7} retrieve {statistics.median(durs) * 1e3:.1f} ms: ticker max "
                 f"gap median {statistics.median(gaps) * 1e3:.2f} ms, worst {max(gaps) * 1e3:.2f}")
-        return {"rows": rows}
+        return {"rows": rows, "idle_max_gap": summarize(idle)}
+
+    async def sec_pipelining(self) -> dict[str, Any]:
+        """Before/after of the pipelined lookup in one process: the same context with the
+        query sent behind the lookup (default on a one-thread normal pool) or after its ack
+        (the previous sequence), alternating per rep."""
+        toks = await self.cached(1024)
+        out = prefaulted(256)
+        s: dict[str, dict[str, list[float]]] = {
+            m: {"lookup": [], "retrieve_256": []} for m in ("sequential", "pipelined")}
+        real = self.c._s.ordered_normal_pool
+        try:
+            for rep in range(8 * self.reps):
+                for mode in ("sequential", "pipelined") if rep % 2 else ("pipelined",
+                                                                         "sequential"):
+                    self.c._s.ordered_normal_pool = real and mode == "pipelined"
+                    await drain(self.c)
+                    t0 = time.perf_counter()
+                    assert await self.c.lookup(toks) == 1024
+                    t1 = time.perf_counter()
+                    await drain(self.c)
+                    t2 = time.perf_counter()
+                    assert await self.c.retrieve(toks[:256], out=out) is not None
+                    t3 = time.perf_counter()
+                    s[mode]["lookup"].append(t1 - t0)
+                    s[mode]["retrieve_256"].append(t3 - t2)
+        finally:
+            self.c._s.ordered_normal_pool = real
+        res: dict[str, Any] = {"server_normal_pool_ordered": real}
+        for mode, d in s.items():
+            for k, v in d.items():
+                res[f"{k}_{mode}"] = summarize(v)
+        for k in ("lookup", "retrieve_256"):
+            res[f"{k}_after_over_before"] = (res[f"{k}_pipelined"]["median"]
+                                             / res[f"{k}_sequential"]["median"])
+            log(f"   {k}: sequential {res[f'{k}_sequential']['median'] * 1e3:.3f} ms, "
+                f"pipelined {res[f'{k}_pipelined']['median'] * 1e3:.3f} ms "
+                f"(after/before {res[f'{k}_after_over_before']:.2f})")
+        return res
 
     # ------------------------------------------------------------------ driver
     async def run(self, sections: list[str]) -> None:
