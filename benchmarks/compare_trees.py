@@ -1,5 +1,6 @@
 # ruff: noqa: E501  (the child script below is kept verbatim as a string)
-"""Before/after of two source trees in one run: store and retrieve(out=) medians.
+"""Before/after of two source trees in one run: store and retrieve(out=) medians at
+T=256/1024/4096, and one-at-a-time lookup latency at T=1024.
 
     python benchmarks/compare_trees.py OLD_TREE NEW_TREE [ROUNDS]
 
@@ -30,7 +31,7 @@ LAYOUT = lmkv.KVLayout(num_layers=L, num_kv_heads=NH, head_dim=HS, dtype=torch.b
 async def main():
     res = {}
     async with lmkv.connect(url, http_url, model, layout=LAYOUT, timeout=60) as ctx:
-        for T in (1024, 4096):
+        for T in (256, 1024, 4096):
             kv = torch.randint(-2**14, 2**14, (2, L, T, NH * HS), dtype=torch.int16).view(torch.bfloat16)
             out = torch.empty_like(kv); out.view(torch.int16).fill_(0)
             st, rt = [], []
@@ -41,6 +42,13 @@ async def main():
                 t0 = time.perf_counter(); v = await ctx.retrieve(toks, out=out); rt.append(time.perf_counter() - t0)
                 assert v is not None and torch.equal(v.view(torch.int16), kv.view(torch.int16))
             res[T] = {"store": statistics.median(st), "retrieve_out": statistics.median(rt)}
+            if T == 1024:  # lookups one at a time (release steps drained after each)
+                lt = []
+                for r in range(50):
+                    t0 = time.perf_counter(); n = await ctx.lookup(toks); lt.append(time.perf_counter() - t0)
+                    assert n == T
+                    while ctx._s._tasks: await asyncio.wait(list(ctx._s._tasks))
+                res["lookup"] = {"lookup": statistics.median(lt)}
     print(json.dumps(res))
 
 asyncio.run(main())
@@ -73,8 +81,9 @@ def main() -> int:
                 print(out.stderr[-2000:])
                 return 1
             rows[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    for T in ("1024", "4096"):
-        for op in ("store", "retrieve_out"):
+    for T, ops in (("256", ("store", "retrieve_out")), ("1024", ("store", "retrieve_out")),
+                   ("4096", ("store", "retrieve_out")), ("lookup", ("lookup",))):
+        for op in ops:
             med = {n: statistics.median(r[T][op] for r in rs) * 1e3 for n, rs in rows.items()}
             print(f"T={T:5s} {op:13s} before {med['before']:8.1f} ms  after "
                   f"{med['after']:8.1f} ms  after/before {med['after'] / med['before']:5.2f}")

@@ -30,11 +30,13 @@ from .errors import (
     TransportUnavailableError,
     UnsupportedOperationError,
     UnsupportedServerError,
+    ViewClosedError,
 )
 from .events import KVEventStream
 from .fanout import ItemResult
 from .fleet import Fleet, FleetLookup, FleetMember
 from .layout import KVLayout
+from .view import RetrieveView, ViewTensor
 from .wire.events import KVRemoved, KVResync, KVStored
 
 __version__ = "0.1.0"
@@ -60,6 +62,7 @@ __all__ = [
     "LayoutMismatchError",
     "LayoutNotFoundError",
     "ProtocolError",
+    "RetrieveView",
     "ServerError",
     "ServerTimeoutError",
     "ServerUnavailableError",
@@ -68,6 +71,8 @@ __all__ = [
     "TransportUnavailableError",
     "UnsupportedOperationError",
     "UnsupportedServerError",
+    "ViewClosedError",
+    "ViewTensor",
     "__version__",
     "close",
     "connect",

@@ -7,6 +7,8 @@ Each operation is a fixed sequence of RPCs (protocol reference §6.4)::
     lookup   : lookup -> prefetch status -> free_lookup_locks (on a hit) -> end_session
     retrieve : lookup -> prefetch status -> prepare_retrieve -> copy out -> commit_retrieve
                -> end_session
+    view     : the retrieve sequence, with the caller's ``async with`` block in place of
+               the copy (the sequence's task waits for the block to end)
 
 What each step reserved on the server is released on every exit path, by the
 rules in :mod:`._release`. A sequence runs in its own task that the caller
@@ -22,7 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +35,9 @@ from ._session import OpState, Session
 from .errors import (
     KVCacheError,
     ProtocolError,
+    ServerError,
     TransportUnavailableError,
+    with_context,
 )
 from .memory import RegionArg, offload
 from .transport import Connection
@@ -50,7 +54,7 @@ from .wire.replies import (
 )
 from .wire.tensors import decode_inline, encode_inline
 
-__all__ = ["Sink", "lookup", "retrieve", "store"]
+__all__ = ["Sink", "ViewHold", "lookup", "open_view", "retrieve", "store"]
 
 log = logging.getLogger("lmkv_async")
 
@@ -58,6 +62,9 @@ log = logging.getLogger("lmkv_async")
 Sink = Callable[[int, list[tuple[int, int]], RegionArg], None]
 #: Copies the caller's source into chunk objects at the given placements.
 ToChunks = Callable[[list[tuple[int, int]], RegionArg], None]
+#: What a retrieve does with its chunk objects (hit, placements, bounds, bytes) while
+#: the read is held: a copy (:data:`Sink` in a thread), or a view's whole block.
+Consume = Callable[[int, list[tuple[int, int]], RegionArg, int], Awaitable[None]]
 
 
 def _new_request_id(kind: str) -> str:
@@ -132,9 +139,28 @@ async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
     key = seq.enc.encode(prefix_len=seq.n, start=0, end=seq.n, request_id=seq.rid,
                          worker_id=None)
     seq.lookup_sent = True
-    await s.rpc(seq.conn, requests.lookup(s.d, key, s.layout.world_size), deadline,
-                request_id=seq.rid, grace_from=seq.started)
-    hit = await _prefetch_result(s, seq, deadline)
+    req = requests.lookup(s.d, key, s.layout.world_size)
+    if s.ordered_normal_pool and seq.conn.connected:
+        # Pipelined: the query goes right behind the lookup (one round trip, not two).
+        # Safe only because one server thread runs both in order (see Session).
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ack = asyncio.ensure_future(s.rpc(seq.conn, req, deadline, request_id=seq.rid,
+                                          grace_from=seq.started, sent=sent))
+        try:
+            await asyncio.wait((sent, ack), return_when=asyncio.FIRST_COMPLETED)
+            if not sent.done():
+                await ack  # failed before it was sent: raises
+                raise ProtocolError("lookup was not sent", op="lookup", server=s.url)
+            hit = await _prefetch_result(s, seq, deadline)
+            seq.hit = min(hit, seq.n // C)  # consumed: the release frees it even if ack fails
+            await ack
+        finally:
+            if not ack.done():
+                ack.cancel()  # we are failing or cancelled: the release steps take over
+                await asyncio.gather(ack, return_exceptions=True)
+    else:
+        await s.rpc(seq.conn, req, deadline, request_id=seq.rid, grace_from=seq.started)
+        hit = await _prefetch_result(s, seq, deadline)
     if hit > seq.n // C:
         seq.hit = seq.n // C
         raise ProtocolError(f"server reports {hit} hit chunks for {seq.n // C} looked up",
@@ -210,11 +236,16 @@ async def cached_prefix(s: Session, toks: list[int], salt: str, n: int, deadline
 async def retrieve(s: Session, toks: list[int], n: int, salt: str, sink: Sink,
                    deadline: float) -> int:
     """lookup -> prepare_retrieve -> sink(chunks) -> commit_retrieve; returns hit chunks."""
-    return await s.run(lambda state: _retrieve_seq(s, state, toks, n, salt, sink, deadline))
+
+    async def consume(hit: int, chunks: list[tuple[int, int]], region: RegionArg,
+                      nbytes: int) -> None:
+        await offload(sink, hit, chunks, region, nbytes=nbytes)
+
+    return await s.run(lambda state: _retrieve_seq(s, state, toks, n, salt, consume, deadline))
 
 
 async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, salt: str,
-                        sink: Sink, deadline: float) -> int:
+                        consume: Consume, deadline: float) -> int:
     await s.ensure_registered(deadline)
     C = s.chunk_size
     seq = _seq(s, "retrieve", toks, salt, n)
@@ -255,12 +286,12 @@ async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, sal
         if reply.shm:
             assert pool is not None  # spec is set only together with a pool
             chunks = [(i, pool.address + sl.offset) for i, sl in enumerate(reply.slots)]
-            await offload(sink, hit, chunks, pool.region, nbytes=nbytes)
+            await consume(hit, chunks, pool.region, nbytes)
         else:
             tensors = await offload(decode_inline, s.d, reply.data, nbytes=nbytes)
             check_chunk_tensors(tensors, hit, s.layout.chunk_shape(C), s.layout.dtype)
             chunks, regions = kernel.tensor_placements(tensors)
-            await offload(sink, hit, chunks, regions, nbytes=nbytes)
+            await consume(hit, chunks, regions, nbytes)
         return hit
     finally:
         s.release_later(_release_retrieve(s, seq, prepared))
@@ -276,6 +307,85 @@ async def _release_retrieve(s: Session, seq: _Seq, prepared: Prepared) -> None:
         if seq.read_gate is not None:
             s.read_gates.release(seq.read_gate)
     await _release_lookup(s, seq, free_hit=plan.lookup_holds_locks)
+
+
+# ---------------------------------------------------------------------- views
+class ViewHold:
+    """A retrieve whose task holds the read while the caller's block runs.
+
+    ``ready`` resolves with the chunk placements once the slots are handed out;
+    the task then waits for :meth:`release` and goes on to the retrieve's
+    release steps. Its task is tracked by the session like any operation.
+    """
+
+    def __init__(self, task: asyncio.Task[int], ready: asyncio.Future[list[tuple[int, int]]],
+                 done: asyncio.Event, state: OpState, started: float) -> None:
+        self.task = task
+        self.ready = ready
+        self._done = done
+        self._state = state
+        #: when the lookup was sent: the server's read lock is younger than this
+        self.started = started
+        #: called once the hold ends for any reason (also when aclose() gives up on it
+        #: and cancels the task, just before the pool is unmapped)
+        self.on_end: list[Callable[[], None]] = []
+
+    def release(self) -> None:
+        """End the hold: the task sends the release steps in the background."""
+        self._state.abandoned = True
+        self._done.set()
+
+    def end(self) -> None:
+        """End the hold from outside the block (the context is closing)."""
+        for cb in self.on_end:
+            cb()
+        self.release()
+
+
+async def open_view(s: Session, toks: list[int], n: int, salt: str,
+                    deadline: float) -> tuple[ViewHold, list[tuple[int, int]]]:
+    """Run the retrieve sequence up to the copy and hold it there (SHM only).
+
+    Returns the hold and the placements (empty on a miss). If the caller is
+    cancelled while waiting, the hold is released and the task releases
+    whatever the sequence got (the same rules as a retrieve).
+    """
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[list[tuple[int, int]]] = loop.create_future()
+    done = asyncio.Event()
+    state = OpState()
+    started = time.monotonic()
+
+    async def consume(hit: int, chunks: list[tuple[int, int]], region: RegionArg,
+                      nbytes: int) -> None:
+        if not ready.done():  # the caller gave up already: release at once
+            ready.set_result(chunks)
+            s.open_views.add(hold.end)
+            try:
+                await done.wait()
+            finally:
+                s.open_views.discard(hold.end)
+                for cb in hold.on_end:
+                    cb()
+
+    task = s.track(asyncio.create_task(
+        _retrieve_seq(s, state, toks, n, salt, consume, deadline)))
+    hold = ViewHold(task, ready, done, state, started)
+    try:
+        await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        ready.cancel()
+        hold.release()
+        raise
+    if ready.done():
+        return hold, ready.result()
+    ready.cancel()
+    hold.release()
+    try:
+        task.result()  # a miss returns 0; an error is the caller's error
+    except ServerError as exc:
+        raise with_context(exc, server=s.url) from None
+    return hold, []
 
 
 # ---------------------------------------------------------------------- store

@@ -72,6 +72,9 @@ CLEANUP_TIMEOUT = 30.0
 CLOSE_BUDGET = 3.0
 UNREGISTER_TIMEOUT = 1.5
 
+#: ``--l1-read-ttl-seconds`` default (0.5.2 .. 0.5.7), used when ``/config`` lacks it
+DEFAULT_READ_TTL = 300.0
+
 _NEWEST = ".".join(map(str, NEWEST_TESTED))
 
 
@@ -135,10 +138,18 @@ class Session:
         #: prepare_retrieve of the same key would overwrite the first's pending read.
         self.read_gates = KeyedLock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: open retrieve_view blocks: close() ends them first, so their release steps
+        #: run (and their tensors raise) instead of waiting out CLOSE_BUDGET
+        self.open_views: set[Callable[[], None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.state: Literal["new", "open", "closing", "closed"] = "new"
         self._abandoned = False  # close gave up on unanswered requests: send nothing more
         self.reap_timeout: float | None = None
+        #: the server's L1 read-lock TTL (``--l1-read-ttl-seconds``; 300 s by default on
+        #: every supported release, compat.md §6.6), from ``/config`` at connect
+        self.read_ttl = DEFAULT_READ_TTL
+        #: the server's normal pool is one thread (``/config mp.max_cpu_workers == 1``)
+        self.ordered_normal_pool = False
 
     @property
     def layout(self) -> KVLayout:
@@ -231,6 +242,16 @@ class Session:
         chunk = mp.get("chunk_size")
         if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
             self.chunk_size = chunk
+        l1 = (config.get("storage_manager") or {}).get("l1_manager_config") or {}
+        ttl = l1.get("read_ttl_seconds") if isinstance(l1, dict) else None
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0:
+            self.read_ttl = float(ttl)
+        # One normal-pool thread (the default on every release) runs lookup and
+        # query_prefetch_status in arrival order, so the query may follow the lookup
+        # without waiting for its ack; with more threads it could overtake it, read 0
+        # and leave the lookup's locks behind (protocol reference §2.6).
+        workers = mp.get("max_cpu_workers")
+        self.ordered_normal_pool = isinstance(workers, int) and workers == 1
         reap = mp.get("worker_reap_timeout_seconds")
         if isinstance(reap, (int, float)) and reap > 0:
             self.reap_timeout = float(reap)
@@ -418,6 +439,8 @@ class Session:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        for end_view in list(self.open_views):
+            end_view()
         budget = 1.0 if self.loop_dead else CLOSE_BUDGET
         give_up = time.monotonic() + budget
         # Unregistering with a reservation outstanding would publish it (§6.6): wait for
@@ -466,7 +489,8 @@ class Session:
     # ------------------------------------------------------------------ plumbing
     async def rpc(self, conn: Connection, req: Request, deadline: float,
                   on_late: LateHandler | None = None, request_id: str | None = None,
-                  grace_from: float | None = None) -> object:
+                  grace_from: float | None = None,
+                  sent: asyncio.Future[None] | None = None) -> object:
         """One request within ``deadline``; errors carry op, server and request id.
 
         ``grace_from``: when the request's operation began (one reconnect grace per
@@ -481,7 +505,7 @@ class Session:
         try:
             reply = await conn.request(req, timeout=remaining, on_late=on_late,
                                        late_window=CLEANUP_TIMEOUT, request_id=request_id,
-                                       grace_from=grace_from)
+                                       grace_from=grace_from, sent=sent)
             self.loop_dead = False
             return reply.result()
         except ServerTimeoutError as exc:
@@ -522,7 +546,23 @@ class Session:
         They are ordered after everything the operation did on the same socket,
         and close waits for them (bounded) before unregistering.
         """
-        self.track(asyncio.create_task(steps))
+        self.track(asyncio.create_task(self._after_caller(steps)))
+
+    #: loop iterations a release step waits before its first send (see _after_caller)
+    release_yields = 3
+
+    async def _after_caller(self, steps: Coroutine[Any, Any, None]) -> None:
+        # Let the operation's caller resume first: it has its answer, and the release
+        # step's send (a syscall that wakes ZMQ's I/O thread: 0.1-0.4 ms on a loaded
+        # machine) would otherwise run before it. Three iterations cover the operation
+        # task's completion, the shield's hand-over and the caller's wake-up.
+        try:
+            for _ in range(self.release_yields):
+                await asyncio.sleep(0)
+        except BaseException:
+            steps.close()
+            raise
+        await steps
 
     def check_open(self) -> None:
         """Raise :class:`ClosedError` unless the context is open."""

@@ -6,7 +6,10 @@ Arguments are checked here, before any traffic; the server session lives in
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -15,12 +18,12 @@ import torch
 
 from . import _ops, kernel
 from ._session import Session, TransportMode
-from .errors import InvalidInputError
+from .errors import InvalidInputError, TransportUnavailableError
 from .events import KVEventStream, require_kv_events
 from .fanout import ItemResult, run_bounded
 from .http import resolve_api_key
 from .layout import KVLayout
-from .memory import RegionArg, output_pool
+from .memory import Region, RegionArg, output_pool
 from .metrics import OpStats
 from .results import StoreResult
 from .transport import Transport
@@ -33,9 +36,12 @@ from .validate import (
     check_timeout,
     check_tokens,
 )
+from .view import RetrieveView
 from .wire.dialect import Dialect
 
 __all__ = ["AsyncKVContext", "StoreResult", "TransportMode", "connect"]
+
+log = logging.getLogger("lmkv_async")
 
 _MODEL_NAME = re.compile(r"^[^@\x00]+$")
 
@@ -204,6 +210,40 @@ class AsyncKVContext:
             hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
             m.nbytes = hit * C * layout.token_bytes()
         return result[0] if hit else None
+
+    def retrieve_view(self, tokens: Tokens, *, cache_salt: str = "",
+                      timeout: float | None = None) -> _ViewBlock:
+        """Zero-copy read: ``async with ctx.retrieve_view(tokens) as view:``.
+
+        Inside the block, ``view.tensors`` are read-only views of the server's
+        SHM slots, one ``[P, L, C, D]`` tensor per hit chunk, and
+        ``await view.copy_to(out)`` copies them with the copy kernel;
+        ``view.num_tokens`` is the hit length (0 on a miss: no tensors). The
+        server's read lock on the hit chunks is held while the block runs and
+        released when it ends, by any exit (normal, exception, cancellation).
+        After the block the tensors raise
+        :class:`~lmkv_async.errors.ViewClosedError`.
+
+        Keep blocks short: the server frees read locks after its read TTL
+        (``--l1-read-ttl-seconds``, 300 s by default) and may then reuse the
+        memory. Past ``view.safe_hold_s`` (0.9 of the TTL) a warning is logged;
+        past the TTL the tensors raise. While a view of a prefix is open, other
+        retrieves of the same prefix on this context wait for it (the server
+        keys pending reads by prefix, not by request). ``timeout`` bounds the
+        opening (lookup and ``prepare_retrieve``), not the block.
+
+        Raises:
+            TransportUnavailableError: the context does not use SHM (nothing sent).
+        """
+        toks = check_tokens(tokens)
+        salt = check_salt(cache_salt)
+        deadline = self._s.deadline(timeout)
+        self._s.check_open()
+        if self._s.mode != "shm":
+            raise TransportUnavailableError(
+                "retrieve_view needs the server's SHM pool; this context uses inline data "
+                f"(transport {self._s.mode!r})")
+        return _ViewBlock(self, toks, salt, deadline)
 
     async def retrieve_blocks(
         self,
@@ -430,6 +470,77 @@ class AsyncKVContext:
         """
         self._s.check_open()
         return await self._s.http.status()
+
+
+class _ViewBlock:
+    """``ctx.retrieve_view(...)``: an async context manager yielding a :class:`RetrieveView`."""
+
+    def __init__(self, ctx: AsyncKVContext, toks: list[int], salt: str,
+                 deadline: float) -> None:
+        self._ctx = ctx
+        self._toks = toks
+        self._salt = salt
+        self._deadline = deadline
+        self._hold: _ops.ViewHold | None = None
+        self._view: RetrieveView | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> RetrieveView:
+        if self._hold is not None:
+            raise InvalidInputError("a retrieve_view block cannot be entered twice")
+        s = self._ctx._s
+        C = s.chunk_size
+        n = len(self._toks) // C * C
+        layout = s.layout
+        pool = s.pool
+        if n == 0 or pool is None:
+            chunks: list[tuple[int, int]] = []
+            started = time.monotonic()
+        else:
+            with self._ctx._stats.measure("retrieve_view") as m:
+                self._hold, chunks = await _ops.open_view(s, self._toks, n, self._salt,
+                                                          self._deadline)
+                m.nbytes = len(chunks) * C * layout.token_bytes()
+            started = self._hold.started
+        view = RetrieveView(
+            chunks, chunk_size=C, chunk_shape=layout.chunk_shape(C), dtype=layout.dtype,
+            region=pool.region if pool is not None else Region(0, 0), started=started,
+            read_ttl=s.read_ttl)
+        self._view = view
+        if self._hold is not None:
+            # aclose() ends open views (and then unmaps the pool): the tensors must
+            # raise from then on, not touch unmapped memory
+            self._hold.on_end.append(lambda: view._close(
+                "the context was closed while the retrieve_view block was running"))
+        if chunks:
+            delay = max(0.0, view.safe_hold_s - view.held_s)
+            self._timer = asyncio.get_running_loop().call_later(delay, self._warn_long_hold)
+        return view
+
+    def _warn_long_hold(self) -> None:
+        view = self._view
+        if view is not None and not view.closed:
+            log.warning(
+                "a retrieve_view block has held the server's read locks for %.0f s, past "
+                "the safe hold of %.0f s (the server's read TTL is %.0f s): its tensors will "
+                "raise ViewClosedError once the TTL runs out", view.held_s, view.safe_hold_s,
+                view.read_ttl)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Synchronous on purpose: nothing here can be interrupted by a cancellation,
+        # and the release steps run in the hold's (tracked, shielded) task.
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._view is not None:
+            self._view._close("the retrieve_view block has ended: the server's read lock is "
+                              "released and the slot memory may be reused")
+        if self._hold is not None:
+            self._hold.release()
 
 
 class _Connecting:

@@ -8,6 +8,7 @@ Every error raised by the library derives from :class:`KVCacheError`, so one
     │   └── LayoutMismatchError                    kv/caches do not fit the layout
     ├── LayoutNotFoundError                        layout=None and none registered
     ├── ClosedError                                the context is closed
+    │   └── ViewClosedError                        a retrieve_view tensor used after its block
     ├── TransportUnavailableError                  transport="shm" but SHM cannot be used
     ├── CopyBoundsError                            a copy would leave its mapping/tensor
     └── ServerError                                something about the server
@@ -50,6 +51,7 @@ __all__ = [
     "TransportUnavailableError",
     "UnsupportedOperationError",
     "UnsupportedServerError",
+    "ViewClosedError",
     "from_zmq_error",
     "with_context",
 ]
@@ -73,6 +75,12 @@ class LayoutNotFoundError(KVCacheError):
 
 class ClosedError(KVCacheError):
     """The context (or transport) has been closed."""
+
+
+class ViewClosedError(ClosedError):
+    """A :meth:`~lmkv_async.AsyncKVContext.retrieve_view` tensor was used after its block
+    ended (or after the server's read-lock TTL ran out): the server may have reused the
+    memory, so nothing is read from it."""
 
 
 class TransportUnavailableError(KVCacheError):

@@ -68,7 +68,8 @@ class KVLayout:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        # dtype.itemsize (torch >= 2.1), not a throwaway tensor: this is on every op's path
+        return int(self.dtype.itemsize)
 
     def chunk_shape(self, chunk_size: int) -> tuple[int, ...]:
         """Shape of one server object: ``[2, L, C, D]`` (``[L, C, D]`` for MLA)."""

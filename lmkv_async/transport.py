@@ -270,8 +270,12 @@ class Connection:
         late_window: float = 0.0,
         request_id: str | None = None,
         grace_from: float | None = None,
+        sent: asyncio.Future[None] | None = None,
     ) -> Reply:
         """Send one request and await its reply within ``timeout`` seconds.
+
+        ``sent``, if given, is resolved once the request is on the socket (so a
+        caller can send a dependent request right behind it, in order).
 
         With ``on_late``, a request that times out stays registered for
         ``late_window`` more seconds and a reply arriving then is handed to
@@ -311,6 +315,8 @@ class Connection:
             except zmq.ZMQError as exc:
                 raise from_zmq_error(exc, op=op, server=self.url) from None
             else:
+                if sent is not None and not sent.done():
+                    sent.set_result(None)
                 # A send through the sync view can consume the socket's edge-triggered
                 # readiness signal, so the reader might not wake: check for replies here.
                 self._drain()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,9 @@ from .wire.keys import MAX_SALT_LEN, SALT_FORBIDDEN
 __all__ = ["check_kv", "check_salt", "check_timeout", "check_tokens"]
 
 TOKEN_LIMIT = 2**32
+_PLAIN_INT = {int}
+# array("I") is 4 bytes (0 <= x < 2**32) on every Linux ABI we run on
+assert array("I").itemsize == 4
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 Tokens = Sequence[int] | torch.Tensor
@@ -53,7 +57,16 @@ def check_tokens(tokens: Tokens) -> list[int]:
     if len(tokens) == 0:
         raise InvalidInputError("tokens must not be empty")
     values = list(tokens)
-    if set(map(type, values)) != {int}:  # C-speed check of the common case (plain ints)
+    # Fast path (C loops only; this runs on every operation, ~20 us per 1024 tokens instead
+    # of ~45): all plain ints, in range. array("I") raises for anything else.
+    if set(map(type, values)) == _PLAIN_INT:
+        try:
+            array("I", values)
+        except OverflowError:
+            pass  # out of range: the slow path below words the error
+        else:
+            return values
+    if set(map(type, values)) != _PLAIN_INT:
         try:
             values = [_as_int(t) for t in values]
         except TypeError as exc:
