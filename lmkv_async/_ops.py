@@ -191,14 +191,18 @@ async def _release_lookup(s: Session, seq: _Seq, *, free_hit: bool) -> None:
         await _end_session(s, seq)
 
 
-async def _after(gate: asyncio.Future[None] | None, deadline: float,
-                 steps: Coroutine[object, object, None]) -> None:
-    """Run release ``steps`` once ``gate`` is done (or the deadline passed)."""
+async def _after(gate: asyncio.Future[None], deadline: float,
+                 steps: Callable[[], Coroutine[object, object, None]]) -> None:
+    """Run the release ``steps`` once ``gate`` is done (or the deadline passed).
+
+    ``steps`` is a factory, so a task closed before it starts leaves no coroutine
+    that was never awaited.
+    """
     try:
-        if gate is not None and not gate.done():
+        if not gate.done():
             await asyncio.wait({gate}, timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        await steps
+        await steps()
 
 
 async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float,
@@ -217,8 +221,11 @@ async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float
         try:
             return await _lookup_locked(s, seq, deadline) * s.chunk_size
         finally:
-            s.release_later(_after(release_gate, deadline,
-                                   _release_lookup(s, seq, free_hit=True)))
+            if release_gate is None:
+                s.release_later(_release_lookup(s, seq, free_hit=True))
+            else:
+                s.release_later(_after(release_gate, deadline,
+                                       lambda: _release_lookup(s, seq, free_hit=True)))
 
     return await s.run(op)
 

@@ -58,7 +58,10 @@ def main() -> int:
             failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
             runs.append({"run": i + 1, "rc": proc.returncode, "summary": tail,
                          "failed": failed, "wall_s": round(time.monotonic() - t0, 1)})
-            print(f"run {i + 1}/{args.runs}: rc={proc.returncode} {tail}", flush=True)
+            log = Path(args.out).with_suffix(f".run{i + 1}.log")
+            log.write_text(proc.stdout + proc.stderr)
+            print(f"run {i + 1}/{args.runs}: rc={proc.returncode} {tail}"
+                  + (f" failed: {' '.join(failed)}" if failed else ""), flush=True)
     finally:
         for b in burners:
             b.terminate()
