@@ -30,6 +30,7 @@ import torch
 from . import _session, kernel
 from ._release import Prepared, lookup_release, retrieve_release
 from ._session import OpState, Session
+from .cuda import DeviceCopy
 from .errors import (
     KVCacheError,
     ProtocolError,
@@ -58,6 +59,16 @@ log = logging.getLogger("lmkv_async")
 Sink = Callable[[int, list[tuple[int, int]], RegionArg], None]
 #: Copies the caller's source into chunk objects at the given placements.
 ToChunks = Callable[[list[tuple[int, int]], RegionArg], None]
+
+
+async def _copy(fn: Callable[..., None] | DeviceCopy, *args: object, nbytes: int) -> None:
+    """Run a sink or source: a GPU copy (:mod:`.cuda`) queues its DMA and awaits its
+    completion on the loop; a CPU copy is offloaded. Either way it has finished
+    (cancelled or not) before the release steps that follow can run."""
+    if isinstance(fn, DeviceCopy):
+        await fn.run(*args, nbytes=nbytes)
+    else:
+        await offload(fn, *args, nbytes=nbytes)
 
 
 def _new_request_id(kind: str) -> str:
@@ -186,14 +197,14 @@ async def cached_prefix(s: Session, toks: list[int], salt: str, n: int, deadline
 
 
 # ---------------------------------------------------------------------- retrieve
-async def retrieve(s: Session, toks: list[int], n: int, salt: str, sink: Sink,
+async def retrieve(s: Session, toks: list[int], n: int, salt: str, sink: Sink | DeviceCopy,
                    deadline: float) -> int:
     """lookup -> prepare_retrieve -> sink(chunks) -> commit_retrieve; returns hit chunks."""
     return await s.run(lambda state: _retrieve_seq(s, state, toks, n, salt, sink, deadline))
 
 
 async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, salt: str,
-                        sink: Sink, deadline: float) -> int:
+                        sink: Sink | DeviceCopy, deadline: float) -> int:
     await s.ensure_registered(deadline)
     C = s.chunk_size
     seq = _seq(s, "retrieve", toks, salt, n)
@@ -234,12 +245,12 @@ async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, sal
         if reply.shm:
             assert pool is not None  # spec is set only together with a pool
             chunks = [(i, pool.address + sl.offset) for i, sl in enumerate(reply.slots)]
-            await offload(sink, hit, chunks, pool.region, nbytes=nbytes)
+            await _copy(sink, hit, chunks, pool.region, nbytes=nbytes)
         else:
             tensors = await offload(decode_inline, s.d, reply.data, nbytes=nbytes)
             check_chunk_tensors(tensors, hit, s.layout.chunk_shape(C), s.layout.dtype)
             chunks, regions = kernel.tensor_placements(tensors)
-            await offload(sink, hit, chunks, regions, nbytes=nbytes)
+            await _copy(sink, hit, chunks, regions, nbytes=nbytes)
         return hit
     finally:
         s.release_later(_release_retrieve(s, seq, prepared))
@@ -258,7 +269,8 @@ async def _release_retrieve(s: Session, seq: _Seq, prepared: Prepared) -> None:
 
 
 # ---------------------------------------------------------------------- store
-async def store(s: Session, toks: list[int], total: int, salt: str, to_chunks: ToChunks,
+async def store(s: Session, toks: list[int], total: int, salt: str,
+                to_chunks: ToChunks | DeviceCopy,
                 to_dense: Callable[[], torch.Tensor], deadline: float) -> int:
     """Store ``total`` whole chunks of ``toks``; returns the chunks newly written."""
 
@@ -272,7 +284,7 @@ async def store(s: Session, toks: list[int], total: int, salt: str, to_chunks: T
 
 
 async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
-                     to_chunks: ToChunks, deadline: float) -> int:
+                     to_chunks: ToChunks | DeviceCopy, deadline: float) -> int:
     C = s.chunk_size
     n = total * C
     seq = _seq(s, "store", toks, salt, n)
@@ -295,7 +307,7 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
         nbytes = len(chunks) * C * s.layout.token_bytes()
         # Every reserved slot is filled completely before commit (§6.6); the
         # sequence runs on even if the caller is cancelled.
-        await offload(to_chunks, chunks, pool.region, nbytes=nbytes)
+        await _copy(to_chunks, chunks, pool.region, nbytes=nbytes)
         ok = as_bool(
             await s.rpc(conn, requests.commit_store(s.d, key, s.instance_id), commit_deadline,
                         request_id=rid, grace_from=seq.started),

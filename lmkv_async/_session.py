@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._locks import KeyedLock
 from .errors import (
@@ -53,6 +53,9 @@ from .wire.dialect import (
 from .wire.keys import KeyEncoder, RegisterPayload
 from .wire.replies import SlotSpec, parse_register
 from .wire.requests import Request
+
+if TYPE_CHECKING:
+    from .cuda import GpuTransfers
 
 __all__ = ["CLEANUP_TIMEOUT", "CLOSE_BUDGET", "OpState", "Session", "TransportMode"]
 
@@ -121,6 +124,8 @@ class Session:
         self.chunk_size = 0
         self.pool: PoolMapping | None = None
         self._retired_pools: list[PoolMapping] = []
+        #: CUDA side (registration, streams), made by the first GPU transfer (lmkv_async.cuda)
+        self.gpu: GpuTransfers | None = None
         self.mode: Literal["shm", "pickle"] = "pickle"
         self.slot_spec: SlotSpec | None = None
         self._registered_generation = -1
@@ -332,6 +337,8 @@ class Session:
         # operations that see the new generation must see the new mapping with it.
         if old_pool is not None:
             self._retired_pools.append(old_pool)  # may still be in use; unmapped at close
+            if self.gpu is not None:
+                self.gpu.retire(old_pool)  # unregistered once its queued copies are done
         self.pool = new_pool
         self.mode = mode
         self.slot_spec = (
@@ -443,6 +450,8 @@ class Session:
                 log.warning("unregister failed: %s", exc)
         self.transport.close()
         await self.http.aclose()
+        if self.gpu is not None:
+            await self.gpu.aclose()  # cudaHostUnregister before munmap
         for pool in [self.pool, *self._retired_pools]:
             if pool is not None:
                 pool.close()
