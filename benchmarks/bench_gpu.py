@@ -70,20 +70,41 @@ def ref_copy(nbytes: int, reps: int) -> dict[str, float]:
     return {"h2d_s": med(h2d[1:]), "d2h_s": med(d2h[1:])}
 
 
+_T0: list[float] = []
+
+
 async def timed(coro_fn: Any) -> tuple[float, float, Any]:
     """(seconds, max loop gap in seconds, result) of one awaited call."""
     async with LoopTicker() as ticker:
         t0 = time.perf_counter()
+        _T0[:] = [t0]
         result = await coro_fn()
         elapsed = time.perf_counter() - t0
     return elapsed, ticker.max_gap, result
 
 
+def phases(last: dict[str, float], total_s: float) -> dict[str, float]:
+    """The call split into: before the copy (RPCs, checks), enqueue, wait, after."""
+    before = (last["began"] - _T0[0]) * 1e3
+    return {"before_copy": before, "enqueue": last["enqueue"], "wait": last["wait"],
+            "gpu": last["gpu"],
+            "after_copy": total_s * 1e3 - before - last["enqueue"] - last["wait"]}
+
+
+def fresh(toks: list[int], rep: int) -> list[int]:
+    """Another token sequence of the same length (a real server cannot be reset)."""
+    return [t + (rep + 1) * 10_000_000 for t in toks]
+
+
 async def run_path(fake: Any, layout: lmkv.KVLayout, toks: list[int], kv_cpu: torch.Tensor,
-                   reps: int, *, paged: bool) -> dict[str, Any]:
-    async with lmkv.connect(fake.url, fake.http_url, "bench-gpu", layout=layout,
-                            heartbeat_interval=0, timeout=120) as ctx:
-        fake.reset()
+                   reps: int, *, paged: bool, tag: str) -> dict[str, Any]:
+    """``fake`` is a FakeLMCache (reset between stores) or a real LocalServer."""
+    real = not hasattr(fake, "reset")
+    async with lmkv.connect(fake.url, fake.http_url, f"bench-gpu-{os.getpid()}-{tag}",
+                            layout=layout, heartbeat_interval=0, timeout=120) as ctx:
+        if not real:
+            fake.reset()
+        assert ctx.transport == "shm"
         assert (await ctx.store(kv_cpu, toks)).written_chunks == len(toks) // C
         out = torch.empty(kv_cpu.shape, dtype=kv_cpu.dtype, device="cuda")
         res: dict[str, Any] = {}
@@ -94,24 +115,33 @@ async def run_path(fake: Any, layout: lmkv.KVLayout, toks: list[int], kv_cpu: to
             if i:  # the first call registers the pool and warms the allocator
                 r_t.append(t)
                 r_gap.append(gap)
-                r_phase.append(ctx.stats()["gpu"]["last_ms"])
+                r_phase.append(phases(ctx.stats()["gpu"]["last_ms"], t))
         torch.cuda.synchronize()
         res["retrieve_exact"] = bool(torch.equal(out.cpu(), kv_cpu))
         res["retrieve_s"], res["retrieve_gap_max_s"] = med(r_t), max(r_gap)
         res["retrieve_phase_ms"] = {k: med([p[k] for p in r_phase]) for k in r_phase[0]}
         s_t, s_gap, s_phase = [], [], []
         for i in range(reps + 1):
-            fake.reset()  # forget the chunks, so every store writes all of them
-            t, gap, sr = await timed(lambda: ctx.store(out, toks))
+            if real:
+                stoks = fresh(toks, i)
+            else:
+                stoks = toks
+                fake.reset()  # forget the chunks, so every store writes all of them
+            t, gap, sr = await timed(lambda st=stoks: ctx.store(out, st))
             assert sr.written_chunks == len(toks) // C
             if i:
                 s_t.append(t)
                 s_gap.append(gap)
-                s_phase.append(ctx.stats()["gpu"]["last_ms"])
-        back = await ctx.retrieve(toks)
+                s_phase.append(phases(ctx.stats()["gpu"]["last_ms"], t))
+        back = await ctx.retrieve(stoks)
         res["store_exact"] = back is not None and bool(torch.equal(back, kv_cpu))
         res["store_s"], res["store_gap_max_s"] = med(s_t), max(s_gap)
         res["store_phase_ms"] = {k: med([p[k] for p in s_phase]) for k in s_phase[0]}
+        lk = []
+        for _ in range(reps):
+            t, _, hit = await timed(lambda: ctx.lookup(toks))
+            lk.append(t * 1e3)
+        res["lookup_ms"] = med(lk)  # the RPC floor: lookup + prefetch status
         if paged:
             n = len(toks)
             nb = n // BS
@@ -135,6 +165,8 @@ async def main() -> int:
     ap.add_argument("--mib", type=int, default=512, help="bytes per transfer, MiB")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
+    ap.add_argument("--real", action="store_true",
+                    help="a real lmcache 0.5.6 server (LMKV_LMCACHE_PYTHON_056), not the fake")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured")
@@ -145,18 +177,34 @@ async def main() -> int:
                            block_size=BS)
     chunk = C * layout.token_bytes()
     chunks = (args.mib << 20) // chunk
-    # the fake's slot size and descriptor shape are module constants of its layout
-    th.SLOT, th.SHAPE, th.GUARD = chunk, (2, L, C, NH * HS), chunk
-    fake = th.FakeLMCache(pool_size=(chunks + 2) * chunk).start()
+    if args.real:
+        from lmkv_async.testing import LocalServer, ServerConfig, find_server_python
+
+        python = find_server_python("0.5.6")
+        if python is None:
+            print("bench_gpu --real: no lmcache 0.5.6 server (LMKV_LMCACHE_PYTHON_056)")
+            return 1
+        log_path = Path(args.out).with_suffix(".server.log")
+        fake = LocalServer(ServerConfig(version="0.5.6", python=python, chunk_size=C,
+                                        l1_size_gb=6.0), log_path=log_path)
+        fake.start()
+        server_name = f"lmcache 0.5.6 ({fake.url})"
+    else:
+        # the fake's slot size and descriptor shape are module constants of its layout
+        th.SLOT, th.SHAPE, th.GUARD = chunk, (2, L, C, NH * HS), chunk
+        fake = th.FakeLMCache(pool_size=(chunks + 2) * chunk).start()
+        server_name = ("tests/test_hostile.FakeLMCache (real SHM segment, lmcache 0.5.6 "
+                       "slot layout)")
     try:
         toks = list(range(1, chunks * C + 1))
         g = torch.Generator().manual_seed(0)
         kv_cpu = torch.randn((2, L, chunks * C, NH * HS), generator=g)
         nbytes = kv_cpu.numel() * kv_cpu.element_size()
         ref = ref_copy(nbytes, args.reps)
-        reg = await run_path(fake, layout, toks, kv_cpu, args.reps, paged=True)
+        reg = await run_path(fake, layout, toks, kv_cpu, args.reps, paged=True, tag="registered")
         os.environ["LMKV_CUDA_REGISTER"] = "0"
-        staged = await run_path(fake, layout, toks, kv_cpu, max(2, args.reps // 2), paged=False)
+        staged = await run_path(fake, layout, toks, kv_cpu, max(2, args.reps // 2),
+                                paged=False, tag="staging")
         del os.environ["LMKV_CUDA_REGISTER"]
     finally:
         fake.stop()
@@ -166,7 +214,7 @@ async def main() -> int:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "server": "tests/test_hostile.FakeLMCache (real SHM segment, lmcache 0.5.6 slot layout)",
+        "server": server_name,
         "command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:]),
         "ref_pinned_h2d_gbps": gbps(ref["h2d_s"]),
         "ref_pinned_d2h_gbps": gbps(ref["d2h_s"]),
@@ -178,6 +226,7 @@ async def main() -> int:
             "store_ratio": round(ref["d2h_s"] / reg["store_s"], 3),
             "store_copy_ratio": round(ref["d2h_s"] * 1e3 / reg["store_phase_ms"]["gpu"], 3),
             "retrieve_blocks_gbps": gbps(reg["retrieve_blocks_s"]),
+            "lookup_ms": reg["lookup_ms"],
             "loop_gap_max_ms": round(1e3 * max(reg["retrieve_gap_max_s"],
                                                reg["store_gap_max_s"]), 2),
             "loop_gap_max_ms_retrieve_blocks": round(1e3 * reg["retrieve_blocks_gap_max_s"], 2),

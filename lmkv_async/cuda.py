@@ -58,6 +58,7 @@ from torch import Tensor
 
 from ._kernel_args import _check_extent, _check_no_overlap, _check_placements
 from .errors import CopyBoundsError, LayoutMismatchError, TransportUnavailableError
+from .kernel import stream_copy
 from .memory import Region, RegionArg
 from .shm import PoolMapping
 
@@ -82,9 +83,11 @@ STAGING_BUFFERS = 4
 #: Rate assumed before anything was measured: high on purpose, so the first wait
 #: sleeps too little (and then polls) rather than oversleeping the transfer.
 _INITIAL_RATE = 80e9
-#: After the expected end, yield with sleep(0) this long before backing off.
+#: Yield with sleep(0) from this long before the expected end ...
+_SPIN_BEFORE = 0.0015
+#: ... until this long after it, then back off (up to _BACKOFF_MAX per sleep).
 _SPIN = 0.003
-_BACKOFF_MAX = 0.005
+_BACKOFF_MAX = 0.002
 
 
 def is_cuda(t: object) -> bool:
@@ -370,7 +373,7 @@ class GpuTransfers:
         for s in self._streams.values():
             ev = _event()
             ev.record(s)
-            await wait_event(ev, 0, self._rate)
+            await wait_event(ev, 0, self._rate)  # copies still queued (abandoned operations)
         for st in list(self._pools.values()):
             if st.ready is not None:
                 await asyncio.gather(st.ready, return_exceptions=True)
@@ -401,13 +404,15 @@ class GpuTransfers:
             st.users += 1
         try:
             t0 = time.perf_counter()
+            began = time.monotonic()  # the first DMA starts about now
             pending = await anyio.to_thread.run_sync(
                 self._enqueue, copy, work, stream, staging)
             t1 = time.perf_counter()
-            await wait_event(pending.end, total, self._rate)
+            await wait_event(pending.end, total, self._rate, began)
             t2 = time.perf_counter()
             gpu_ms = self._learn(pending)
-            self.last = {"enqueue": (t1 - t0) * 1e3, "wait": (t2 - t1) * 1e3, "gpu": gpu_ms}
+            self.last = {"enqueue": (t1 - t0) * 1e3, "wait": (t2 - t1) * 1e3, "gpu": gpu_ms,
+                         "began": t0}
         finally:
             if st is not None:
                 st.users -= 1
@@ -428,8 +433,11 @@ class GpuTransfers:
         except RuntimeError:
             return -1.0
         if ms > 0.05 and pending.nbytes > (8 << 20):
+            # The latest rate wins when it is higher: a slow first transfer (allocator
+            # warm-up, contention) must not make later waits oversleep.
             rate = pending.nbytes / (ms / 1e3)
-            self._rate = rate if self._rate == _INITIAL_RATE else 0.7 * self._rate + 0.3 * rate
+            self._rate = rate if self._rate == _INITIAL_RATE else max(
+                rate, 0.7 * self._rate + 0.3 * rate)
         return ms
 
     def _enqueue(self, copy: DeviceCopy, work: list[tuple[int, int, int]],
@@ -462,7 +470,7 @@ class GpuTransfers:
         for i, (k, addr, nb) in enumerate(work):
             buf, ev = staging.bufs[i % n], staging.events[i % n]
             ev.synchronize()  # its previous DMA is done (worker thread: may block)
-            buf[:nb].copy_(_host_view(addr, nb))
+            stream_copy(buf[:nb], _host_view(addr, nb))  # the C kernel's threads, GIL released
             copy.per_chunk(k, nb, buf[:nb])
             ev.record(stream)
 
@@ -476,7 +484,7 @@ class GpuTransfers:
         def drain() -> None:
             j, addr, nb = queued.popleft()
             staging.events[j % n].synchronize()
-            _host_view(addr, nb).copy_(staging.bufs[j % n][:nb])
+            stream_copy(_host_view(addr, nb), staging.bufs[j % n][:nb])
 
         for i, (k, addr, nb) in enumerate(work):
             if len(queued) == n:
@@ -488,21 +496,28 @@ class GpuTransfers:
             drain()
 
 
-async def wait_event(ev: torch.cuda.Event, nbytes: int, rate: float) -> None:
-    """Await ``ev`` without blocking the loop: sleep until shortly before the copy
-    should end (``nbytes`` at ``rate`` B/s), yield briefly, then back off.
+async def wait_event(ev: torch.cuda.Event, nbytes: int, rate: float,
+                     started: float | None = None) -> None:
+    """Await ``ev`` without blocking the loop.
+
+    The copies began at ``started`` (``time.monotonic()``; default now) and should
+    take ``nbytes / rate`` seconds. Until shortly before that, the event is polled
+    once per millisecond sleep (the selector's resolution), so an estimate that is
+    too pessimistic costs at most about 1 ms; near the expected end the wait only
+    yields (``sleep(0)``) between polls; past it, sleeps back off to
+    :data:`_BACKOFF_MAX` (copies queued behind other operations' copies).
 
     Cancellation is held back until the event completed: the copies behind it
     read or write memory whose server-side reservation the caller releases next.
     """
-    t0 = time.monotonic()
+    t0 = time.monotonic() if started is None else started
     expected = t0 + nbytes / rate
     cancelled = False
-    delay = 0.0005
+    delay = 0.001
     while not _query(ev):
         now = time.monotonic()
-        if now < expected - 0.0015:
-            pause = expected - 0.0015 - now  # selectors round sleeps up to 1 ms
+        if now < expected - _SPIN_BEFORE:
+            pause = 0.001
         elif now < expected + _SPIN:
             pause = 0.0  # just yield: the end is near
         else:
