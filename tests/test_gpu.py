@@ -236,9 +236,10 @@ async def test_cancel_waits_for_queued_copies_before_commit(
     done_at: list[float] = []
     real_wait = lmkv_cuda.wait_event
 
-    async def slow_wait(ev: torch.cuda.Event, nbytes: int, rate: float) -> None:
+    async def slow_wait(ev: torch.cuda.Event, nbytes: int, rate: float,
+                        started: float | None = None) -> None:
         try:
-            await real_wait(ev, nbytes, rate)
+            await real_wait(ev, nbytes, rate, started)
         finally:
             done_at.append(time.monotonic())
 
