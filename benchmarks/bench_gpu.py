@@ -86,9 +86,9 @@ async def timed(coro_fn: Any) -> tuple[float, float, Any]:
 def phases(last: dict[str, float], total_s: float) -> dict[str, float]:
     """The call split into: before the copy (RPCs, checks), enqueue, wait, after."""
     before = (last["began"] - _T0[0]) * 1e3
-    return {"before_copy": before, "enqueue": last["enqueue"], "wait": last["wait"],
-            "gpu": last["gpu"],
-            "after_copy": total_s * 1e3 - before - last["enqueue"] - last["wait"]}
+    return {"before_copy": before, "enqueue": last["enqueue_ms"], "wait": last["wait_ms"],
+            "gpu": last["gpu_ms"],
+            "after_copy": total_s * 1e3 - before - last["enqueue_ms"] - last["wait_ms"]}
 
 
 def fresh(toks: list[int], rep: int) -> list[int]:
@@ -115,7 +115,7 @@ async def run_path(fake: Any, layout: lmkv.KVLayout, toks: list[int], kv_cpu: to
             if i:  # the first call registers the pool and warms the allocator
                 r_t.append(t)
                 r_gap.append(gap)
-                r_phase.append(phases(ctx.stats()["gpu"]["last_ms"], t))
+                r_phase.append(phases(ctx.stats()["gpu"]["last"], t))
         torch.cuda.synchronize()
         res["retrieve_exact"] = bool(torch.equal(out.cpu(), kv_cpu))
         res["retrieve_s"], res["retrieve_gap_max_s"] = med(r_t), max(r_gap)
@@ -132,7 +132,7 @@ async def run_path(fake: Any, layout: lmkv.KVLayout, toks: list[int], kv_cpu: to
             if i:
                 s_t.append(t)
                 s_gap.append(gap)
-                s_phase.append(phases(ctx.stats()["gpu"]["last_ms"], t))
+                s_phase.append(phases(ctx.stats()["gpu"]["last"], t))
         back = await ctx.retrieve(stoks)
         res["store_exact"] = back is not None and bool(torch.equal(back, kv_cpu))
         res["store_s"], res["store_gap_max_s"] = med(s_t), max(s_gap)

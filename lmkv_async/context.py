@@ -437,10 +437,11 @@ class AsyncKVContext:
         """A snapshot of per-operation counters and latency histograms: calls, errors by
         type, timeouts, cancellations, bytes moved, in flight, latency quantiles.
 
-        Once a CUDA tensor was used, ``"gpu"`` holds the GPU path's counters and
-        ``"gpu"]["path"]``: ``"registered"`` or ``"staging"`` (the fallback, with
-        ``"fallback_reason"``). Numbers only (no keys, tokens or tensors). For OpenTelemetry, pass
-        :attr:`metrics` to :func:`lmkv_async.metrics.register_otel`.
+        Once a CUDA tensor was used, ``"gpu"`` holds the GPU path's counters, among
+        them ``"path"``: ``"registered"`` or ``"staging"`` (the fallback, with
+        ``"fallback_reason"``). Numbers (and those labels) only: no keys, tokens or
+        tensors. For OpenTelemetry, pass :attr:`metrics` to
+        :func:`lmkv_async.metrics.register_otel`.
         """
         snap = self._stats.snapshot()
         if self._s.gpu is not None:  # only once a CUDA tensor was used: CPU output unchanged

@@ -9,7 +9,7 @@ CUDA transfer, so CPU-only programs never touch CUDA):
   bounce buffers. It is unregistered before the mapping is unmapped: on close,
   and when a re-registration after a server restart retires the mapping (as soon
   as no copy queued on it is still running). Registering pins every page and
-  takes a while (about 0.1-0.3 s per GiB), so it runs on a throwaway thread: its
+  takes time in proportion to the pool's size, so it runs on a throwaway thread: its
   CUDA error state (``cudaGetLastError`` is per thread) dies with the thread and
   cannot surface later as a spurious error in an unrelated kernel launch.
 * **Fallback.** If registration fails (``RLIMIT_MEMLOCK``, permissions, a
@@ -26,11 +26,12 @@ CUDA transfer, so CPU-only programs never touch CUDA):
   is still queued, even if the caller drops them after cancelling.
 * **Waiting.** The copies are enqueued from a worker thread (the staging path
   does CPU copies there too); completion is awaited on the event loop by polling
-  a CUDA event with backoff, never by blocking: the poll sleeps until shortly
-  before the transfer should end at the rate measured so far, then yields with
-  ``sleep(0)`` for a short while, then backs off to millisecond sleeps.
-* **Cancellation.** A cancelled wait keeps polling until every queued copy has
-  completed, and only then lets the cancellation through. The operation's
+  a CUDA event with backoff, never by blocking (:func:`wait_event`): a poll per
+  1 ms sleep until shortly before the transfer should end at the rate measured
+  so far, then ``sleep(0)`` yields near the end, then sleeps backing off to 2 ms.
+* **Cancellation.** A cancelled transfer keeps waiting (for the worker that
+  queues the copies, then for the event) until every queued copy has completed,
+  and only then lets the cancellation through. The operation's
   release steps (``commit_retrieve``, which frees the server's read lock, and
   a store's commit) therefore never run while a DMA still reads or writes the
   slots behind them.
@@ -279,7 +280,8 @@ class GpuTransfers:
         self.staged_transfers = 0
         self.closed = False
         self._unregistering: list[asyncio.Future[None]] = []
-        #: timings of the last transfer (ms): enqueue (worker thread), wait, GPU time
+        #: the last transfer: enqueue_ms (worker thread), wait_ms (event poll), gpu_ms
+        #: (event-timed copy), began (its time.perf_counter() when it was queued)
         self.last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ state
@@ -301,7 +303,7 @@ class GpuTransfers:
             "bytes_h2d": self.bytes_h2d,
             "bytes_d2h": self.bytes_d2h,
             "measured_gbps": round(self._rate / 1e9, 2) if self.transfers else None,
-            "last_ms": dict(self.last),
+            "last": dict(self.last),
         }
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -397,7 +399,7 @@ class GpuTransfers:
         if not work:
             return
         st = await self._pool_for(region)
-        staging = None if st is not None else self._staging_ring(max(w[2] for w in work))
+        staging = st is None  # the ring is made in the worker: pinning memory takes a while
         stream = self.stream(copy.device)
         total = sum(w[2] for w in work)
         if st is not None:
@@ -405,23 +407,42 @@ class GpuTransfers:
         try:
             t0 = time.perf_counter()
             began = time.monotonic()  # the first DMA starts about now
-            pending = await anyio.to_thread.run_sync(
-                self._enqueue, copy, work, stream, staging)
+            # A cancellation while the worker queues copies must not skip the wait
+            # below: the queued DMA would outlive the release steps that follow.
+            queued = asyncio.ensure_future(anyio.to_thread.run_sync(
+                self._enqueue, copy, work, stream, staging))
+            cancelled = False
+            while True:
+                try:
+                    pending = await asyncio.shield(queued)
+                    break
+                except asyncio.CancelledError:
+                    if queued.cancelled():
+                        raise
+                    cancelled = True
             t1 = time.perf_counter()
-            await wait_event(pending.end, total, self._rate, began)
+            try:
+                await wait_event(pending.end, total, self._rate, began)
+            except asyncio.CancelledError:
+                cancelled = True
             t2 = time.perf_counter()
             gpu_ms = self._learn(pending)
-            self.last = {"enqueue": (t1 - t0) * 1e3, "wait": (t2 - t1) * 1e3, "gpu": gpu_ms,
-                         "began": t0}
+            self.last = {"enqueue_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
+                         "gpu_ms": gpu_ms, "began": t0}
+            self._count(copy.h2d, staging, total)
+            if cancelled:
+                raise asyncio.CancelledError
         finally:
             if st is not None:
                 st.users -= 1
                 if st.retired and st.users == 0:
                     self._drop(st)
+
+    def _count(self, h2d: bool, staged: bool, total: int) -> None:
         self.transfers += 1
-        if staging is not None:
+        if staged:
             self.staged_transfers += 1
-        if copy.h2d:
+        if h2d:
             self.bytes_h2d += total
         else:
             self.bytes_d2h += total
@@ -441,9 +462,10 @@ class GpuTransfers:
         return ms
 
     def _enqueue(self, copy: DeviceCopy, work: list[tuple[int, int, int]],
-                 stream: torch.cuda.Stream, staging: _Staging | None) -> Pending:
+                 stream: torch.cuda.Stream, use_staging: bool) -> Pending:
         """Worker thread: queue every copy on ``stream``; returns its end event."""
         total = sum(w[2] for w in work)
+        staging = self._staging_ring(max(w[2] for w in work)) if use_staging else None
         with torch.cuda.device(copy.device), torch.cuda.stream(stream):
             stream.wait_stream(copy.caller_stream)
             for t in copy.tensors:

@@ -245,10 +245,10 @@ async def test_cancel_waits_for_queued_copies_before_commit(
 
     real_enqueue = lmkv_cuda.GpuTransfers._enqueue
 
-    def slow_enqueue(self: Any, copy: Any, work: Any, stream: Any, staging: Any) -> Any:
+    def slow_enqueue(self: Any, copy: Any, work: Any, stream: Any, use_staging: Any) -> Any:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time queued before the copies
-        return real_enqueue(self, copy, work, stream, staging)
+        return real_enqueue(self, copy, work, stream, use_staging)
 
     async with open_ctx(fake) as ctx:
         toks, kv = await seeded(ctx, 2, seed=9)
@@ -268,6 +268,49 @@ async def test_cancel_waits_for_queued_copies_before_commit(
         assert done_at and commit.t >= done_at[0], "read lock released before the copy ended"
         torch.cuda.synchronize()
         assert gpu_bits_equal(out, kv)  # the queued copy completed
+
+
+async def test_cancelled_operation_task_waits_for_its_copies(
+        fake: FakeLMCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What aclose() does to an operation it gave up on: cancel the operation's own task,
+    here while the worker is still queueing copies. The release steps wait for them."""
+    done_at: list[float] = []
+    real_wait = lmkv_cuda.wait_event
+
+    async def timed_wait(ev: torch.cuda.Event, nbytes: int, rate: float,
+                         started: float | None = None) -> None:
+        try:
+            await real_wait(ev, nbytes, rate, started)
+        finally:
+            done_at.append(time.monotonic())
+
+    real_enqueue = lmkv_cuda.GpuTransfers._enqueue
+
+    def slow_enqueue(self: Any, copy: Any, work: Any, stream: Any, use_staging: Any) -> Any:
+        time.sleep(0.1)  # still queueing when the task is cancelled
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(400_000_000)
+        return real_enqueue(self, copy, work, stream, use_staging)
+
+    async with open_ctx(fake) as ctx:
+        toks, kv = await seeded(ctx, 2, seed=19)
+        monkeypatch.setattr(lmkv_cuda, "wait_event", timed_wait)
+        monkeypatch.setattr(lmkv_cuda.GpuTransfers, "_enqueue", slow_enqueue)
+        out = torch.zeros(kv.shape, device=DEV)
+        caller = asyncio.create_task(ctx.retrieve(toks, out=out))
+        while not any(r.op == PREP_RETRIEVE for r in fake.requests()):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.03)
+        ops = [t for t in ctx._s._tasks if t.get_coro().__qualname__ == "_retrieve_seq"]
+        assert len(ops) == 1
+        ops[0].cancel()
+        with pytest.raises((asyncio.CancelledError, lmkv.ClosedError)):
+            await caller
+        rid = fake.last_rid("retrieve")
+        await fake.wait_ops(rid, [th.LOOKUP, th.QUERY, PREP_RETRIEVE, COMMIT_RETRIEVE, th.END])
+        commit = next(r for r in fake.requests() if r.rid == rid and r.op == COMMIT_RETRIEVE)
+        assert done_at and commit.t >= done_at[0], "read lock released before the copy ended"
+        assert gpu_bits_equal(out, kv)
 
 
 # ----------------------------------------------------------------------------- registration
