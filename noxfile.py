@@ -234,3 +234,27 @@ def server_envs_session(session: nox.Session) -> None:
             env={**os.environ, "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"},
         )
         session.log(f"{key}={value} (lmcache {out.stdout.strip() or '?'})")
+
+
+@nox.session(reuse_venv=True, venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    """GPU tests (pytest -m gpu, tests/test_gpu.py) on a CUDA machine; not part of CI.
+
+    The venv sees the machine's own CUDA build of torch (system site packages)
+    instead of the CPU pin, so torch is never installed here. Fails when CUDA is
+    not available rather than reporting skipped tests as a pass.
+    """
+    session.install("-c", CONSTRAINTS, "pytest", "hypothesis", "pyzmq", "httpx", "anyio",
+                    "msgpack")
+    session.install("--no-deps", "--force-reinstall", ".")
+    session.run("python", "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() "
+                "else 'nox -s gpu needs a CUDA device')")
+    tmp = Path(session.create_tmp())
+    session.chdir(tmp)
+    # Only tests/test_gpu.py unless paths are given (the other modules need the test
+    # extras); 0 tests selected (exit 5, e.g. no CUDA) fails the session.
+    args = _pytest_args(session, "gpu")
+    if args[-1] == str(ROOT / "tests"):
+        args[-1] = str(ROOT / "tests" / "test_gpu.py")
+    session.run("python", "-P", "-m", "pytest", *args,
+                env={"LMKV_REQUIRE_INSTALLED": "1", "PYTHONDONTWRITEBYTECODE": "1"})

@@ -32,6 +32,7 @@ import torch
 from . import _logctx, _session, kernel
 from ._release import Prepared, lookup_release, retrieve_release
 from ._session import OpState, Session
+from .cuda import DeviceCopy
 from .errors import (
     KVCacheError,
     ProtocolError,
@@ -65,6 +66,16 @@ ToChunks = Callable[[list[tuple[int, int]], RegionArg], None]
 #: What a retrieve does with its chunk objects (hit, placements, bounds, bytes) while
 #: the read is held: a copy (:data:`Sink` in a thread), or a view's whole block.
 Consume = Callable[[int, list[tuple[int, int]], RegionArg, int], Awaitable[None]]
+
+
+async def _copy(fn: Callable[..., None] | DeviceCopy, *args: object, nbytes: int) -> None:
+    """Run a sink or source: a GPU copy (:mod:`.cuda`) queues its DMA and awaits its
+    completion on the loop; a CPU copy is offloaded. Either way it has finished
+    (cancelled or not) before the release steps that follow can run."""
+    if isinstance(fn, DeviceCopy):
+        await fn.run(*args, nbytes=nbytes)
+    else:
+        await offload(fn, *args, nbytes=nbytes)
 
 
 def _new_request_id(kind: str) -> str:
@@ -240,13 +251,13 @@ async def cached_prefix(s: Session, toks: list[int], salt: str, n: int, deadline
 
 
 # ---------------------------------------------------------------------- retrieve
-async def retrieve(s: Session, toks: list[int], n: int, salt: str, sink: Sink,
+async def retrieve(s: Session, toks: list[int], n: int, salt: str, sink: Sink | DeviceCopy,
                    deadline: float) -> int:
     """lookup -> prepare_retrieve -> sink(chunks) -> commit_retrieve; returns hit chunks."""
 
     async def consume(hit: int, chunks: list[tuple[int, int]], region: RegionArg,
                       nbytes: int) -> None:
-        await offload(sink, hit, chunks, region, nbytes=nbytes)
+        await _copy(sink, hit, chunks, region, nbytes=nbytes)
 
     return await s.run(lambda state: _retrieve_seq(s, state, toks, n, salt, consume, deadline))
 
@@ -396,7 +407,8 @@ async def open_view(s: Session, toks: list[int], n: int, salt: str,
 
 
 # ---------------------------------------------------------------------- store
-async def store(s: Session, toks: list[int], total: int, salt: str, to_chunks: ToChunks,
+async def store(s: Session, toks: list[int], total: int, salt: str,
+                to_chunks: ToChunks | DeviceCopy,
                 to_dense: Callable[[], torch.Tensor], deadline: float) -> int:
     """Store ``total`` whole chunks of ``toks``; returns the chunks newly written."""
 
@@ -410,7 +422,7 @@ async def store(s: Session, toks: list[int], total: int, salt: str, to_chunks: T
 
 
 async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
-                     to_chunks: ToChunks, deadline: float) -> int:
+                     to_chunks: ToChunks | DeviceCopy, deadline: float) -> int:
     C = s.chunk_size
     n = total * C
     seq = _seq(s, "store", toks, salt, n)
@@ -433,7 +445,7 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
         nbytes = len(chunks) * C * s.layout.token_bytes()
         # Every reserved slot is filled completely before commit (§6.6); the
         # sequence runs on even if the caller is cancelled.
-        await offload(to_chunks, chunks, pool.region, nbytes=nbytes)
+        await _copy(to_chunks, chunks, pool.region, nbytes=nbytes)
         ok = as_bool(
             await s.rpc(conn, requests.commit_store(s.d, key, s.instance_id), commit_deadline,
                         request_id=rid, grace_from=seq.started),

@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import _logctx
 from ._locks import KeyedLock
@@ -54,6 +54,9 @@ from .wire.dialect import (
 from .wire.keys import KeyEncoder, RegisterPayload
 from .wire.replies import SlotSpec, parse_register
 from .wire.requests import Request
+
+if TYPE_CHECKING:
+    from .cuda import GpuTransfers
 
 __all__ = ["CLEANUP_TIMEOUT", "CLOSE_BUDGET", "OpState", "Session", "TransportMode"]
 
@@ -127,6 +130,8 @@ class Session:
         self._retired_pools: list[PoolMapping] = []
         #: pre-faulting of a pool mapped on re-registration (runs behind operations)
         self._populating: set[asyncio.Future[str]] = set()
+        #: CUDA side (registration, streams), made by the first GPU transfer (lmkv_async.cuda)
+        self.gpu: GpuTransfers | None = None
         self.mode: Literal["shm", "pickle"] = "pickle"
         self.slot_spec: SlotSpec | None = None
         self._registered_generation = -1
@@ -363,6 +368,8 @@ class Session:
         # operations that see the new generation must see the new mapping with it.
         if old_pool is not None:
             self._retired_pools.append(old_pool)  # may still be in use; unmapped at close
+            if self.gpu is not None:
+                self.gpu.retire(old_pool)  # unregistered once its queued copies are done
         self.pool = new_pool
         self.mode = mode
         self.slot_spec = (
@@ -479,6 +486,8 @@ class Session:
         await self.http.aclose()
         if self._populating:  # a pre-fault thread may still touch the mapping
             await asyncio.gather(*self._populating, return_exceptions=True)
+        if self.gpu is not None:
+            await self.gpu.aclose()  # cudaHostUnregister before munmap
         for pool in [self.pool, *self._retired_pools]:
             if pool is not None:
                 pool.close()

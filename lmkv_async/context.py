@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _ops, kernel
+from . import _ops, cuda, kernel
 from ._session import Session, TransportMode
 from .errors import InvalidInputError, TransportUnavailableError
 from .events import KVEventStream, require_kv_events
@@ -199,12 +199,17 @@ class AsyncKVContext:
         layout = self.layout
         result: list[torch.Tensor] = []
 
-        def sink(hit: int, chunks: list[tuple[int, int]], region: RegionArg) -> None:
+        def cpu_sink(hit: int, chunks: list[tuple[int, int]], region: RegionArg) -> None:
             dst = out if out is not None else output_pool.empty(
                 (layout.planes, layout.num_layers, hit * C, layout.hidden_dim), layout.dtype)
             view = dst[:, :, : hit * C]
             kernel.chunks_to_dense(view, chunks, chunk_tokens=C, region=region)
             result.append(view)
+
+        sink: _ops.Sink | cuda.DeviceCopy = cpu_sink
+        if cuda.is_cuda(out):
+            assert out is not None
+            sink = cuda.dense_sink(self._s, out, C, result)  # DMA on the GPU side
 
         with self._stats.measure("retrieve") as m:
             hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
@@ -260,7 +265,7 @@ class AsyncKVContext:
         ``block_ids[j]`` the block holding tokens ``[j*BS, (j+1)*BS)``. Chunk
         objects are copied into the blocks in one pass (no intermediate
         ``[P, L, T, D]`` tensor). Returns the hit length in tokens; blocks past
-        it are untouched.
+        it are untouched. The caches may live on a GPU (all layers on one device).
         """
         toks = check_tokens(tokens)
         salt = check_salt(cache_salt)
@@ -273,9 +278,13 @@ class AsyncKVContext:
             return 0
         dtype = self.layout.dtype
 
-        def sink(hit: int, chunks: list[tuple[int, int]], region: RegionArg) -> None:
+        def cpu_sink(hit: int, chunks: list[tuple[int, int]], region: RegionArg) -> None:
             kernel.chunks_to_paged(chunks, kv_caches, bids, num_tokens=hit * C, chunk_tokens=C,
                                    dtype=dtype, region=region)
+
+        sink: _ops.Sink | cuda.DeviceCopy = cpu_sink
+        if cuda.is_cuda(kv_caches[0]):
+            sink = cuda.paged_sink(self._s, kv_caches, bids, C)
 
         with self._stats.measure("retrieve_blocks") as m:
             hit = await _ops.retrieve(self._s, toks, n, salt, sink, deadline)
@@ -297,7 +306,7 @@ class AsyncKVContext:
         (reported as ``ignored_tokens``). Chunks already cached are not sent
         again. Once the server has handed out slots, the copy and commit run to
         completion even if the caller is cancelled, so ``kv`` may still be read
-        briefly after a cancellation.
+        briefly after a cancellation. ``kv`` may be a CUDA tensor (``docs/gpu.md``).
         """
         toks = check_tokens(tokens)
         salt = check_salt(cache_salt)
@@ -308,10 +317,15 @@ class AsyncKVContext:
         n = len(toks) // C * C
         src = kv[:, :, :n]
 
-        def to_chunks(chunks: list[tuple[int, int]], region: RegionArg) -> None:
+        def cpu_chunks(chunks: list[tuple[int, int]], region: RegionArg) -> None:
             kernel.dense_to_chunks(src, chunks, chunk_tokens=C, region=region)
 
-        return await self._store("store", toks, salt, to_chunks, lambda: src, deadline)
+        to_chunks: _ops.ToChunks | cuda.DeviceCopy = cpu_chunks
+        to_dense: Callable[[], torch.Tensor] = lambda: src  # noqa: E731
+        if cuda.is_cuda(src):
+            to_chunks = cuda.dense_source(self._s, src, C)
+            to_dense = src.cpu  # inline data is pickled from CPU tensors (worker thread)
+        return await self._store("store", toks, salt, to_chunks, to_dense, deadline)
 
     async def store_blocks(
         self,
@@ -339,15 +353,21 @@ class AsyncKVContext:
         self._s.check_open()
         layout = self.layout
 
-        def to_chunks(chunks: list[tuple[int, int]], region: RegionArg) -> None:
+        def cpu_chunks(chunks: list[tuple[int, int]], region: RegionArg) -> None:
             kernel.paged_to_chunks(kv_caches, bids, chunks, num_tokens=n, chunk_tokens=C,
                                    dtype=layout.dtype, region=region)
 
-        def to_dense() -> torch.Tensor:
+        def cpu_dense() -> torch.Tensor:
             dense = output_pool.empty(
                 (layout.planes, layout.num_layers, n, layout.hidden_dim), layout.dtype)
             kernel.paged_to_dense(dense, kv_caches, bids)
             return dense
+
+        to_chunks: _ops.ToChunks | cuda.DeviceCopy = cpu_chunks
+        to_dense: Callable[[], torch.Tensor] = cpu_dense
+        if cuda.is_cuda(kv_caches[0]):
+            to_chunks = cuda.paged_source(self._s, kv_caches, bids, n, C)
+            to_dense = lambda: cuda.paged_to_cpu_dense(kv_caches, bids, n)  # noqa: E731
 
         return await self._store("store_blocks", toks, salt, to_chunks, to_dense, deadline)
 
@@ -356,7 +376,7 @@ class AsyncKVContext:
         op: str,
         toks: list[int],
         salt: str,
-        to_chunks: Callable[[list[tuple[int, int]], RegionArg], None],
+        to_chunks: _ops.ToChunks | cuda.DeviceCopy,
         to_dense: Callable[[], torch.Tensor],
         deadline: float,
     ) -> StoreResult:
@@ -457,10 +477,16 @@ class AsyncKVContext:
         """A snapshot of per-operation counters and latency histograms: calls, errors by
         type, timeouts, cancellations, bytes moved, in flight, latency quantiles.
 
-        Numbers only (no keys, tokens or tensors). For OpenTelemetry, pass
-        :attr:`metrics` to :func:`lmkv_async.metrics.register_otel`.
+        Once a CUDA tensor was used, ``"gpu"`` holds the GPU path's counters, among
+        them ``"path"``: ``"registered"`` or ``"staging"`` (the fallback, with
+        ``"fallback_reason"``). Numbers (and those labels) only: no keys, tokens or
+        tensors. For OpenTelemetry, pass :attr:`metrics` to
+        :func:`lmkv_async.metrics.register_otel`.
         """
-        return self._stats.snapshot()
+        snap = self._stats.snapshot()
+        if self._s.gpu is not None:  # only once a CUDA tensor was used: CPU output unchanged
+            snap["gpu"] = self._s.gpu.snapshot()
+        return snap
 
     async def status(self) -> dict[str, Any]:
         """The server's ``/status`` (locks, sessions, registrations).

@@ -113,15 +113,15 @@ def check_timeout(timeout: float | None, default: float) -> float:
 
 
 def check_kv(kv: object, layout: KVLayout, num_tokens: int, *, what: str = "kv") -> torch.Tensor:
-    """``[P, L, T, D]`` CPU tensor of the layout's dtype with ``T == num_tokens``.
+    """``[P, L, T, D]`` CPU or CUDA tensor of the layout's dtype with ``T == num_tokens``.
 
     The last dimension must be contiguous; other strides are free (views are fine).
     """
     if not isinstance(kv, torch.Tensor):
         raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")
     expected = (layout.planes, layout.num_layers, num_tokens, layout.hidden_dim)
-    if kv.device.type != "cpu":
-        raise LayoutMismatchError(f"{what} must be a CPU tensor, got device {kv.device}")
+    if kv.device.type not in ("cpu", "cuda"):
+        raise LayoutMismatchError(f"{what} must be a CPU or CUDA tensor, got device {kv.device}")
     if kv.dtype != layout.dtype:
         raise LayoutMismatchError(f"{what} dtype {kv.dtype} != layout dtype {layout.dtype}")
     if tuple(kv.shape) != expected:
@@ -161,6 +161,7 @@ def check_paged(
             f"kv_caches has {len(caches)} layers; the layout has {layout.num_layers}"
         )
     num_blocks: int | None = None
+    device = caches[0].device if caches and isinstance(caches[0], torch.Tensor) else None
     for i, cache in enumerate(caches):
         if not isinstance(cache, torch.Tensor):
             raise InvalidInputError(f"kv_caches[{i}] is not a tensor")
@@ -172,10 +173,11 @@ def check_paged(
             raise LayoutMismatchError(
                 f"kv_caches[{i}] shape {tuple(cache.shape)} != [NB, *{list(tail)}]"
             )
-        if cache.dtype != layout.dtype or cache.device.type != "cpu":
+        if (cache.dtype != layout.dtype or cache.device.type not in ("cpu", "cuda")
+                or cache.device != device):
             raise LayoutMismatchError(
-                f"kv_caches[{i}] must be a CPU {layout.dtype} tensor, got {cache.device} "
-                f"{cache.dtype}"
+                f"kv_caches[{i}] must be a CPU (or CUDA, all layers on one device) "
+                f"{layout.dtype} tensor, got {cache.device} {cache.dtype}"
             )
         if cache.stride(-1) != 1:
             raise LayoutMismatchError(f"kv_caches[{i}] must have a contiguous last dimension")
