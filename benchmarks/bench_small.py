@@ -127,7 +127,7 @@ class Floor:
     def __init__(self, ctx: lmkv.AsyncKVContext) -> None:
         # the same sequence lmkv sends: query right behind the lookup when the server's
         # normal pool is one ordered thread
-        self.pipelined = ctx._s.ordered_normal_pool
+        self.pipelined = ctx._s.pipelines_lookup_query
         self.d = ctx.dialect
         self.ws = ctx.layout.world_size
         self.zctx = zmq.Context()

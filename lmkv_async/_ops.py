@@ -151,9 +151,13 @@ async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
                          worker_id=None)
     seq.lookup_sent = True
     req = requests.lookup(s.d, key, s.layout.world_size)
-    if s.ordered_normal_pool and seq.conn.connected:
+    if s.pipelines_lookup_query and seq.conn.connected:
         # Pipelined: the query goes right behind the lookup (one round trip, not two).
-        # Safe only because one server thread runs both in order (see Session).
+        # Safe only because one server thread runs both in order (see Session), and
+        # only where free_lookup_locks is bounded by the recorded hit (0.5.6+): a
+        # frozen server makes the query's reply late more often, and once our lost
+        # query has consumed the result a 0.5.2 server's anonymous free cannot be
+        # aimed (it would leave the locks until their TTL).
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ack = asyncio.ensure_future(s.rpc(seq.conn, req, deadline, request_id=seq.rid,
                                           grace_from=seq.started, sent=sent))
@@ -168,7 +172,9 @@ async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
         finally:
             if not ack.done():
                 ack.cancel()  # we are failing or cancelled: the release steps take over
-                await asyncio.gather(ack, return_exceptions=True)
+            # Retrieve its outcome either way: an ack that failed together with the query
+            # (a killed server) would otherwise be reported as never retrieved.
+            await asyncio.gather(ack, return_exceptions=True)
     else:
         await s.rpc(seq.conn, req, deadline, request_id=seq.rid, grace_from=seq.started)
         hit = await _prefetch_result(s, seq, deadline)

@@ -157,6 +157,12 @@ class Session:
         self.ordered_normal_pool = False
 
     @property
+    def pipelines_lookup_query(self) -> bool:
+        """Whether a lookup's result query goes right behind it (see ``_ops._lookup_locked``):
+        one server thread runs both in order, and ``free_lookup_locks`` is bounded (0.5.6+)."""
+        return self.ordered_normal_pool and self.d.bounded_free
+
+    @property
     def layout(self) -> KVLayout:
         """The layout in use (explicit or discovered at connect)."""
         assert self.layout_arg is not None

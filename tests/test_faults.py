@@ -63,7 +63,7 @@ async def test_kill_fails_pending_calls_fast_then_restart_recovers(
         calls.append(asyncio.create_task(ctx.lookup(stored[0])))
         # each call's first request is on the wire (and unanswered) before the kill; the
         # query follows a lookup unanswered where the server's normal pool is one thread
-        queries = ["query_prefetch_status"] * 4 if ctx._s.ordered_normal_pool else []
+        queries = ["query_prefetch_status"] * 4 if ctx._s.pipelines_lookup_query else []
         expected = sorted(["lookup"] * 4 + ["prepare_store"] * 2 + queries)
         await eventually(lambda: sorted(op for op in pending_ops(ctx) if op != "ping") == expected,
                          what=lambda: f"{expected} pending, not {pending_ops(ctx)}")
