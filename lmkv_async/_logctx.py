@@ -28,6 +28,7 @@ LOGGER_NAMES = (
     "lmkv_async",
     "lmkv_async.cli",
     "lmkv_async.coordinator",
+    "lmkv_async.cuda",
     "lmkv_async.events",
     "lmkv_async.fleet",
     "lmkv_async.shm",

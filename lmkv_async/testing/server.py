@@ -460,12 +460,36 @@ class LocalServer:
         proc.wait(timeout=30)
 
     def freeze(self) -> None:
-        """SIGSTOP the server: it keeps its sockets but answers nothing."""
+        """SIGSTOP the server: it keeps its sockets but answers nothing.
+
+        Returns once the kernel reports the process stopped (a signal is delivered
+        asynchronously; on a loaded machine a request sent right after the kill
+        could otherwise still be answered).
+        """
         self._signal(signal.SIGSTOP)
+        self._wait_state(stopped=True)
 
     def resume(self) -> None:
-        """SIGCONT a frozen server."""
+        """SIGCONT a frozen server (returns once it runs again)."""
         self._signal(signal.SIGCONT)
+        self._wait_state(stopped=False)
+
+    def _wait_state(self, *, stopped: bool, timeout: float = 5.0) -> None:
+        assert self._proc is not None
+        stat = Path(f"/proc/{self._proc.pid}/stat")
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            try:
+                # field 3, after the parenthesised command name (which may hold spaces)
+                state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return  # no procfs view: the signal was sent, that is all we can do
+            if (state in ("T", "t")) == stopped:
+                return
+            time.sleep(0.005)
+        raise LocalServerError(
+            f"server pid {self._proc.pid} did not {'stop' if stopped else 'resume'} "
+            f"within {timeout:.0f}s")
 
     def _signal(self, sig: signal.Signals) -> None:
         if not self.is_running():
