@@ -98,7 +98,6 @@ class Connection:
         # per-call futures and poller dominated the client's cost of small requests.
         # (Its monitor socket, made through the asyncio context, is an asyncio one.)
         self._sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.DEALER)
-        self._sync = self._sock
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -201,7 +200,7 @@ class Connection:
         if self._closed:
             return
         try:
-            if self._writable and int(self._sync.getsockopt(_EVENTS)) & _POLLOUT:
+            if self._writable and int(self._sock.getsockopt(_EVENTS)) & _POLLOUT:
                 for waiter in self._writable:
                     if not waiter.done():
                         waiter.set_result(None)
@@ -212,7 +211,7 @@ class Connection:
 
     def _drain(self) -> None:
         """Dispatch every reply that has arrived, without waiting."""
-        sock = self._sync
+        sock = self._sock
         # Asking ZMQ_EVENTS first is cheaper than ending on a raised zmq.Again.
         while int(sock.getsockopt(_EVENTS)) & _POLLIN:
             try:
@@ -304,7 +303,7 @@ class Connection:
         keep_for_late = False
         try:
             try:
-                _send_frames(self._sync, frames)
+                _send_frames(self._sock, frames)
             except zmq.Again:
                 if not self._connected.is_set():  # no live connection (IMMEDIATE)
                     raise ServerUnavailableError("not connected to the server", op=op,
@@ -353,7 +352,7 @@ class Connection:
                 room.cancel()
                 return False
             try:
-                _send_frames(self._sync, frames)
+                _send_frames(self._sock, frames)
                 return True
             except zmq.Again:
                 continue
