@@ -1,8 +1,9 @@
 """Helpers shared by the benchmark runners: machine facts, the loop-lag ticker, the
 lmcache-driven registration (with its stdout pump), summaries.
 
-Runners import it as ``from _common import ...`` (it sits next to them) and put the
-source tree on ``sys.path`` themselves when ``lmkv_async`` is not installed.
+Runners import it as ``from _common import ...`` (it sits next to them) before they
+import ``lmkv_async``: importing it puts the source tree on ``sys.path`` when
+``lmkv_async`` is not installed (a checkout, with ``_copy`` built in place).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import platform
 import queue
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,12 +25,50 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lmkv_async.testing import LocalServer, server_env
-
 ROOT = Path(__file__).resolve().parent.parent
-REGISTER_SCRIPT = ROOT / "tests" / "server_scripts" / "register_cpu_engine.py"
+try:
+    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
+except ImportError:  # a source checkout
+    sys.path.insert(0, str(ROOT))
 
-__all__ = ["LoopTicker", "cpu_model", "registered_engine", "summarize"]
+import torch  # noqa: E402
+
+import lmkv_async as lmkv  # noqa: E402
+from lmkv_async.testing import LocalServer, server_env  # noqa: E402
+
+REGISTER_SCRIPT = ROOT / "tests" / "server_scripts" / "register_cpu_engine.py"
+SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
+
+# The store/retrieve geometry of bench_e2e and bench_small (an 8B-class model):
+# 32 layers, 8 KV heads of 128, bf16 -- 128 KiB per token, 32 MiB per 256-token chunk.
+L, NH, HS, BS, C = 32, 8, 128, 16, 256
+D = NH * HS
+DTYPE = torch.bfloat16
+TOKEN_BYTES = 2 * L * D * 2  # K and V, bf16
+LAYOUT = lmkv.KVLayout(num_layers=L, num_kv_heads=NH, head_dim=HS, dtype=DTYPE, block_size=BS)
+GEOMETRY = {"num_layers": L, "num_kv_heads": NH, "head_dim": HS, "dtype": "bfloat16"}
+VOCAB = 150_000
+
+__all__ = [
+    "BS",
+    "DTYPE",
+    "GEOMETRY",
+    "HS",
+    "LAYOUT",
+    "NH",
+    "REGISTER_SCRIPT",
+    "ROOT",
+    "SDK_PEER",
+    "TOKEN_BYTES",
+    "VOCAB",
+    "C",
+    "D",
+    "L",
+    "LoopTicker",
+    "cpu_model",
+    "registered_engine",
+    "summarize",
+]
 
 
 def cpu_model() -> str:

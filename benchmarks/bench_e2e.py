@@ -79,14 +79,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # Cap lmkv_async's pooled output memory (retrieve without out=) so L1 + caller buffers +
 # the pool fit in RAM next to the SDK process; big enough for every result set used here.
 os.environ.setdefault("LMKV_OUTPUT_POOL_BYTES", str(9 << 29))  # 4.5 GiB
-try:
-    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
-except ImportError:
-    sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from _common import LoopTicker, cpu_model, registered_engine, summarize  # noqa: E402  (same directory)
+from _common import (  # noqa: E402  (same directory)
+    BS,
+    DTYPE,
+    GEOMETRY,
+    HS,
+    LAYOUT,
+    NH,
+    SDK_PEER,
+    TOKEN_BYTES,
+    VOCAB,
+    C,
+    D,
+    L,
+    LoopTicker,
+    cpu_model,
+    registered_engine,
+    summarize,
+)
 
 import lmkv_async as lmkv  # noqa: E402
 from lmkv_async import kernel  # noqa: E402
@@ -99,16 +112,7 @@ from lmkv_async.testing import (  # noqa: E402
 )
 
 # ----------------------------------------------------------------------------- geometry
-L, NH, HS, BS, C = 32, 8, 128, 16, 256
-D = NH * HS
-DTYPE = torch.bfloat16
-TOKEN_BYTES = 2 * L * D * 2  # K and V, bf16: 128 KiB per token
 MODEL = "lmkv-bench-e2e"
-LAYOUT = lmkv.KVLayout(num_layers=L, num_kv_heads=NH, head_dim=HS, dtype=DTYPE, block_size=BS)
-GEOMETRY = {"num_layers": L, "num_kv_heads": NH, "head_dim": HS, "dtype": "bfloat16"}
-VOCAB = 150_000
-SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
-REGISTER_SCRIPT = ROOT / "tests" / "server_scripts" / "register_cpu_engine.py"
 SECTIONS = ("store", "retrieve", "looplag", "fanout", "lookup", "soak", "sdk_cold", "sockets")
 #: L1 may hold at most this fraction before a section writes (eviction triggers at 0.8).
 FILL_LIMIT = 0.72

@@ -40,13 +40,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-try:
-    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
-except ImportError:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from bench_e2e import registered_engine  # noqa: E402  (same directory)
+from _common import registered_engine  # noqa: E402  (same directory)
 
 import lmkv_async as lmkv  # noqa: E402
 from lmkv_async.testing import LocalServer, ServerConfig, find_server_python, server_env  # noqa: E402

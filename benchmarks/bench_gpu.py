@@ -33,10 +33,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-try:
-    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
-except ImportError:
-    sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402

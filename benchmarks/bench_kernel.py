@@ -29,10 +29,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-try:
-    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session, with _copy built)
-except ImportError:  # a source checkout: build in place first (setup.py build_ext --inplace)
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from _common import summarize  # noqa: E402  (same directory)

@@ -13,20 +13,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import mmap
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-try:
-    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
-except ImportError:
-    sys.path.insert(0, str(ROOT))
+from _common import LoopTicker
 
-from _common import LoopTicker  # noqa: E402  (same directory)
-
-from lmkv_async.memory import MADV_POPULATE_WRITE, madvise  # noqa: E402
+from lmkv_async.memory import MADV_POPULATE_WRITE, madvise
 
 SIZE = 512 << 20
 

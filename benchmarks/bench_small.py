@@ -54,16 +54,29 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LMKV_OUTPUT_POOL_BYTES", str(3 << 30))
-try:
-    import lmkv_async  # noqa: F401  (installed, e.g. in the nox bench session)
-except ImportError:
-    sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
-from _common import LoopTicker, cpu_model, registered_engine, summarize  # noqa: E402
+from _common import (  # noqa: E402  (same directory)
+    BS,
+    DTYPE,
+    GEOMETRY,
+    HS,
+    LAYOUT,
+    NH,
+    SDK_PEER,
+    TOKEN_BYTES,
+    VOCAB,
+    C,
+    D,
+    L,
+    LoopTicker,
+    cpu_model,
+    registered_engine,
+    summarize,
+)
 
 import lmkv_async as lmkv  # noqa: E402
 from lmkv_async import kernel  # noqa: E402
@@ -77,15 +90,7 @@ from lmkv_async.wire import requests  # noqa: E402
 from lmkv_async.wire.frames import decode_reply, encode_request  # noqa: E402
 from lmkv_async.wire.keys import KeyEncoder  # noqa: E402
 
-L, NH, HS, BS, C = 32, 8, 128, 16, 256
-D = NH * HS
-DTYPE = torch.bfloat16
-TOKEN_BYTES = 2 * L * D * 2
 MODEL = "lmkv-bench-small"
-LAYOUT = lmkv.KVLayout(num_layers=L, num_kv_heads=NH, head_dim=HS, dtype=DTYPE, block_size=BS)
-GEOMETRY = {"num_layers": L, "num_kv_heads": NH, "head_dim": HS, "dtype": "bfloat16"}
-VOCAB = 150_000
-SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
 SECTIONS = ("copy", "view", "lookup", "looplag", "pipelining")
 
 
