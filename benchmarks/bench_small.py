@@ -89,6 +89,7 @@ from lmkv_async.testing import (  # noqa: E402
 from lmkv_async.wire import requests  # noqa: E402
 from lmkv_async.wire.frames import decode_reply, encode_request  # noqa: E402
 from lmkv_async.wire.keys import KeyEncoder  # noqa: E402
+from lmkv_async.wire.replies import parse_prepare_retrieve, parse_prepare_store  # noqa: E402
 
 MODEL = "lmkv-bench-small"
 SECTIONS = ("copy", "view", "lookup", "looplag", "pipelining")
@@ -182,6 +183,74 @@ class Floor:
         self.send(requests.free_lookup_locks(self.d, fkey, self.ws))
         self.send(requests.end_session(self.d, rid))
         return hit * C
+
+    def view(self, toks: list[int], instance_id: int) -> int:
+        """A retrieve_view's RPCs, bare: lookup (+ query), prepare_retrieve, and the
+        release (commit_retrieve, end_session) sent without waiting, as lmkv does at the
+        block's exit. The server's share of a view, with no client around it."""
+        rid = f"floor-{uuid.uuid4().hex}"
+        enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
+        n = len(toks)
+        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=None)
+        ack = self.send(requests.lookup(self.d, key, self.ws))
+        if not self.pipelined:
+            self.wait(ack)
+        hit = self.wait(self.send(requests.query_prefetch_status(self.d, rid)))
+        if self.pipelined:
+            self.wait(ack)
+        assert isinstance(hit, int) and hit * C == n, hit
+        rkey = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+        reply = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, instance_id)))
+        assert reply is not None
+        self.send(requests.commit_retrieve(self.d, rkey, instance_id))
+        self.send(requests.end_session(self.d, rid))
+        return hit
+
+    def store(self, ctx: lmkv.AsyncKVContext, kv: torch.Tensor, toks: list[int]) -> int:
+        """A store's RPCs and copy, bare and blocking: prepare_store, the same C kernel
+        scatter into the reserved slots, commit_store; end_session sent without waiting
+        (lmkv sends it after answering too). Returns the chunks written."""
+        s = ctx._s
+        assert s.pool is not None and s.slot_spec is not None
+        rid = f"floor-{uuid.uuid4().hex}"
+        n = len(toks)
+        enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
+        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+        raw = self.wait(self.send(requests.prepare_store(self.d, key, s.instance_id)))
+        prep = parse_prepare_store(raw, s.slot_spec, n // C)
+        chunks = [(i, s.pool.address + sl.offset)
+                  for i, sl in zip(prep.chunk_indices, prep.slots, strict=True)]
+        kernel.dense_to_chunks(kv, chunks, chunk_tokens=C, region=s.pool.region)
+        ok = self.wait(self.send(requests.commit_store(self.d, key, s.instance_id)))
+        self.send(requests.end_session(self.d, rid))
+        assert ok is True, ok
+        return len(chunks)
+
+    def retrieve(self, ctx: lmkv.AsyncKVContext, toks: list[int], out: torch.Tensor) -> int:
+        """A retrieve(out=)'s RPCs and copy, bare and blocking: lookup (+ query),
+        prepare_retrieve, the same C kernel gather; the release sent without waiting."""
+        s = ctx._s
+        assert s.pool is not None and s.slot_spec is not None
+        rid = f"floor-{uuid.uuid4().hex}"
+        n = len(toks)
+        enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
+        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=None)
+        ack = self.send(requests.lookup(self.d, key, self.ws))
+        if not self.pipelined:
+            self.wait(ack)
+        hit = self.wait(self.send(requests.query_prefetch_status(self.d, rid)))
+        if self.pipelined:
+            self.wait(ack)
+        assert isinstance(hit, int) and hit * C == n, hit
+        rkey = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+        raw = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, s.instance_id)))
+        reply = parse_prepare_retrieve(raw, s.slot_spec, hit)
+        assert reply.success and reply.shm
+        chunks = [(i, s.pool.address + sl.offset) for i, sl in enumerate(reply.slots)]
+        kernel.chunks_to_dense(out, chunks, chunk_tokens=C, region=s.pool.region)
+        self.send(requests.commit_retrieve(self.d, rkey, s.instance_id))
+        self.send(requests.end_session(self.d, rid))
+        return hit
 
     def many(self, toks: list[int], n: int, in_flight: int) -> float:
         """``n`` lookups of ``toks`` with ``in_flight`` at once (each lookup's release sent
@@ -294,8 +363,10 @@ class Bench:
             a, b = prefaulted(T), prefaulted(T)
             out = prefaulted(T)
             s: dict[str, list[float]] = {k: [] for k in (
-                "copy_", "stream_copy", "store", "retrieve_out", "view", "view_copy_to")}
+                "copy_", "stream_copy", "store", "retrieve_out", "view", "view_copy_to",
+                "floor_store", "floor_retrieve_out")}
             exact = True
+            floor = Floor(self.c) if self.c._s.slot_spec is not None else None
             for rep in range(self.reps + 1):  # rep 0 warms up
                 t0 = time.perf_counter()
                 a.copy_(b)
@@ -326,20 +397,47 @@ class Bench:
                     await view.copy_to(a)
                 t10 = time.perf_counter()
                 await drain(self.c)
+                floor_t: dict[str, float] = {}
+                if floor is not None:
+                    # the same store and retrieve with no client around the RPCs and the
+                    # copy: what the protocol itself costs (fresh tokens, so it writes)
+                    await self.room(T * TOKEN_BYTES)
+                    ftoks = self.tokens(T)
+                    t11 = time.perf_counter()
+                    assert floor.store(self.c, kv, ftoks) == T // C
+                    t12 = time.perf_counter()
+                    floor.drain()
+                    b.zero_()
+                    t13 = time.perf_counter()
+                    assert floor.retrieve(self.c, ftoks, b) == T // C
+                    t14 = time.perf_counter()
+                    floor.drain()
+                    floor_t = {"floor_store": t12 - t11, "floor_retrieve_out": t14 - t13}
+                    if rep == 0 and not same_bits(b, kv):
+                        raise RuntimeError(f"floor round trip T={T} not bit-exact")
                 if rep == 0:
                     exact = same_bits(out, kv) and same_bits(a, kv)
                     continue
                 for k, v in (("copy_", t1 - t0), ("stream_copy", t2 - t1), ("store", t4 - t3),
                              ("retrieve_out", t6 - t5), ("view", t8 - t7),
-                             ("view_copy_to", t10 - t9)):
+                             ("view_copy_to", t10 - t9), *floor_t.items()):
                     s[k].append(v)
+            if floor is not None:
+                floor.close()
+            s = {k: v for k, v in s.items() if v}
             med = {k: statistics.median(v) for k, v in s.items()}
             row: dict[str, Any] = {"T": T, "bytes": T * TOKEN_BYTES, "bit_exact": exact,
                                    **{k: summarize(v) for k, v in s.items()}}
-            for op in ("store", "retrieve_out", "view_copy_to"):
+            for op in ("store", "retrieve_out", "view_copy_to", "floor_store",
+                       "floor_retrieve_out"):
+                if op not in med:
+                    continue
                 row[f"{op}_vs_copy_"] = med["copy_"] / med[op]
                 row[f"{op}_vs_stream_copy"] = med["stream_copy"] / med[op]
                 row[f"{op}_fixed_ms"] = (med[op] - med["stream_copy"]) * 1e3
+            for op in ("store", "retrieve_out"):
+                if f"floor_{op}" in med:  # > 1: lmkv is slower than the bare protocol
+                    row[f"{op}_over_floor"] = med[op] / med[f"floor_{op}"]
             rows.append(row)
             log(f"   T={T:>5} ({T * TOKEN_BYTES >> 20:>4} MiB) copy_ {med['copy_'] * 1e3:7.2f} "
                 f"stream {med['stream_copy'] * 1e3:7.2f} | store {med['store'] * 1e3:7.2f} "
@@ -349,32 +447,58 @@ class Bench:
                 f" | view {med['view'] * 1e3:6.2f} | view+copy_to "
                 f"{med['view_copy_to'] * 1e3:7.2f} ({row['view_copy_to_vs_copy_']:.2f}x)"
                 f"{'' if exact else '  NOT BIT-EXACT'}")
+            if "floor_store" in med:
+                log(f"          bare floor: store {med['floor_store'] * 1e3:7.2f} "
+                    f"({row['floor_store_vs_copy_']:.2f}x copy_; lmkv/floor "
+                    f"{row['store_over_floor']:.2f}) | retrieve(out=) "
+                    f"{med['floor_retrieve_out'] * 1e3:7.2f} "
+                    f"({row['floor_retrieve_out_vs_copy_']:.2f}x copy_; lmkv/floor "
+                    f"{row['retrieve_out_over_floor']:.2f})")
             del a, b, out
             gc.collect()
         return {"rows": rows}
 
     async def sec_view(self) -> dict[str, Any]:
         rows = []
-        for T in (256, 1024, 4096, 16384):
-            toks = await self.cached(T)
-            samples = []
-            async with self.c.retrieve_view(toks) as view:  # warm-up and bit-exactness
-                if not same_bits(torch.cat(view.tensors, dim=2), self.kv(T)):
-                    raise RuntimeError(f"view T={T} not bit-exact")
-            for _ in range(self.reps):
-                await drain(self.c)
-                t0 = time.perf_counter()
-                async with self.c.retrieve_view(toks) as view:
-                    tensors = view.tensors
-                t1 = time.perf_counter()
-                assert len(tensors) == T // C
-                samples.append(t1 - t0)
-            rows.append({"T": T, "bytes": T * TOKEN_BYTES, "view": summarize(samples)})
-            log(f"   T={T:>5}: retrieve_view {statistics.median(samples) * 1e3:.2f} ms")
-            if T > 4096:
-                self._kvs.pop(T, None)  # 2 GiB of source
+        floor = Floor(self.c)
+        try:
+            for T in (256, 1024, 4096, 16384):
+                toks = await self.cached(T)
+                async with self.c.retrieve_view(toks) as view:  # warm-up and bit-exactness
+                    if not same_bits(torch.cat(view.tensors, dim=2), self.kv(T)):
+                        raise RuntimeError(f"view T={T} not bit-exact")
+                samples: dict[str, list[float]] = {"lmkv": [], "floor": []}
+                for rep in range(self.reps):
+                    # alternate who goes first: neither side always gets the warmer server
+                    for who in ("floor", "lmkv") if rep % 2 else ("lmkv", "floor"):
+                        await drain(self.c)
+                        floor.drain()
+                        t0 = time.perf_counter()
+                        if who == "lmkv":
+                            async with self.c.retrieve_view(toks) as view:
+                                tensors = view.tensors
+                            assert len(tensors) == T // C
+                        else:
+                            assert floor.view(toks, self.c._s.instance_id) == T // C
+                        samples[who].append(time.perf_counter() - t0)
+                floor.drain()
+                rows.append({"T": T, "bytes": T * TOKEN_BYTES, "view": summarize(samples["lmkv"]),
+                             "floor": summarize(samples["floor"]),
+                             "view_over_floor": statistics.median(samples["lmkv"])
+                             / statistics.median(samples["floor"])})
+                log(f"   T={T:>5}: retrieve_view {statistics.median(samples['lmkv']) * 1e3:.2f} "
+                    f"ms, bare RPC floor {statistics.median(samples['floor']) * 1e3:.2f} ms")
+                if T > 4096:
+                    self._kvs.pop(T, None)  # 2 GiB of source
+        finally:
+            floor.close()
         meds = [r["view"]["median"] for r in rows]
-        return {"rows": rows, "max_over_min": max(meds) / min(meds)}
+        fmeds = [r["floor"]["median"] for r in rows]
+        # floor_max_over_min: how much of the spread the server's own work makes
+        log(f"   max/min: retrieve_view {max(meds) / min(meds):.2f}, bare RPC floor "
+            f"{max(fmeds) / min(fmeds):.2f}")
+        return {"rows": rows, "max_over_min": max(meds) / min(meds),
+                "floor_max_over_min": max(fmeds) / min(fmeds)}
 
     async def sec_lookup(self) -> dict[str, Any]:
         T = 1024

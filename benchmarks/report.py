@@ -262,6 +262,82 @@ def e2e_md(e: dict[str, Any]) -> list[str]:
     return lines
 
 
+def small_md(sm: dict[str, Any]) -> list[str]:
+    """Small transfers, the zero-copy view, lookups and loop lag (bench_small.py)."""
+    r = sm["results"]
+    srv = sm.get("server", {})
+    lines = [
+        "## Small transfers, views and lookups (`benchmarks/bench_small.py`)",
+        "",
+        f"lmcache {srv.get('version', '?')} with SHM, L=32 NH=8 HS=128 bf16, chunk 256, "
+        f"{sm.get('reps', '?')} reps, {sm.get('date', '')}. A *bare floor* is a blocking "
+        "pyzmq client in the same process sending the same RPCs (and, for store and "
+        "retrieve, running the same C kernel copy) with nothing around them: what the "
+        "protocol and the server cost by themselves.",
+        "",
+    ]
+    cp = r.get("copy", {}).get("rows", [])
+    if cp:
+        lines += ["### Store and retrieve(out=) against a copy of the same bytes", "",
+                  "Times in ms; a ratio is the copy's time over the operation's, against "
+                  "torch `copy_` / against the kernel's `stream_copy` (goal: 0.8 for both).",
+                  ""]
+
+        def two(w: dict[str, Any], op: str) -> str:
+            a, b = w.get(f"{op}_vs_copy_"), w.get(f"{op}_vs_stream_copy")
+            return "-" if a is None or b is None else f"**{a:.2f}** / {b:.2f}"
+
+        rows = []
+        for w in cp:
+            rows.append([f"{w['T']} ({w['bytes'] >> 20} MiB)", ms(w["copy_"]),
+                         ms(w["stream_copy"]), ms(w["store"]), two(w, "store"),
+                         ms(w.get("floor_store")), two(w, "floor_store"),
+                         ms(w["retrieve_out"]), two(w, "retrieve_out"),
+                         ms(w.get("floor_retrieve_out")), two(w, "floor_retrieve_out")])
+        lines += table(["T", "torch copy_", "stream_copy", "store", "ratios", "bare floor",
+                        "ratios", "retrieve(out=)", "ratios", "bare floor", "ratios"], rows)
+    v = r.get("view")
+    if v and v.get("rows"):
+        lines += ["### `retrieve_view` latency (ms)", ""]
+        lines += table(["T", "MiB", "retrieve_view", "bare RPC floor", "view / floor"],
+                       [[str(w["T"]), str(w["bytes"] >> 20), ms(w["view"]), ms(w.get("floor")),
+                         f"{w['view_over_floor']:.2f}" if "view_over_floor" in w else "-"]
+                        for w in v["rows"]])
+        if "floor_max_over_min" in v:
+            lines += [f"Largest over smallest median: the view {v['max_over_min']:.2f}, the "
+                      f"bare floor {v['floor_max_over_min']:.2f} (the server's per-chunk "
+                      "lookup and prepare work grows with T).", ""]
+    lk = r.get("lookup")
+    if lk:
+        lines += [f"### Lookups, T={lk['T']} hit (lookups/s)", ""]
+        rows = [["one at a time", num(lk["seq_lmkv"], "{:.0f}"), num(lk["seq_floor"], "{:.0f}"),
+                 "-"]]
+        if "lmkv_64" in lk:
+            rows.append(["64 in flight", num(lk["lmkv_64"], "{:.0f}"),
+                         num(lk.get("floor_64"), "{:.0f}"),
+                         num(lk.get("sdk_threads_8"), "{:.0f}")])
+        lines += table(["mode", "lmkv_async", "bare floor", "SDK, 8 threads"], rows)
+    lag = r.get("looplag", {}).get("rows", [])
+    if lag:
+        idle = r["looplag"].get("idle_max_gap")
+        lines += ["### Event-loop lag during a 512 MiB retrieve (1 ms ticker, largest gap, ms)",
+                  ""]
+        if idle:
+            lines += [f"The ticker alone, idle: largest gap {ms(idle)} ms (median, p10-p90 "
+                      "of reps).", ""]
+        lines += table(["variant", "retrieve ms", "largest gap ms (median of reps)"],
+                       [[w["variant"], ms(w.get("retrieve_s")),
+                         f"{w['max_gap']['median'] * 1e3:.2f}"] for w in lag])
+    tg = sm.get("targets", [])
+    if tg:
+        lines += ["### Targets", ""]
+        lines += table(["target", "goal", "this run", ""],
+                       [[t["target"], (">= " if t["higher_is_better"] else "<= ")
+                         + f"{t['goal']:g}", "-" if t["value"] is None else f"{t['value']:.2f}",
+                         "met" if t["met"] else "**missed**"] for t in tg])
+    return lines
+
+
 def notes_md(r: dict[str, Any]) -> list[str]:
     """How to read the run: what bounds each comparison (numbers from the run)."""
     out = ["### Reading these numbers", ""]
@@ -538,6 +614,7 @@ def main() -> None:
     res = Path(args.results)
     kernel = load(res / "kernel.json")
     e2e = load(res / "e2e.json")
+    small = load(res / "small.json")
     if kernel is None and e2e is None:
         raise SystemExit(f"no kernel.json or e2e.json under {res}")
     md_path = Path(args.md)
@@ -567,6 +644,8 @@ def main() -> None:
             + body[2:]
         draw_e2e(ratios, e2e, charts / E2E_PNG)
         written.append(charts / E2E_PNG)
+    if small is not None:
+        lines += small_md(small)
     if kernel is not None:
         body = kernel_md(kernel)
         lines += body[:2] + img(KERNEL_PNG, "copy kernel: C vs torch and vs a streaming copy") \
