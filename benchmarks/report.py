@@ -317,6 +317,9 @@ def small_md(sm: dict[str, Any]) -> list[str]:
                          num(lk.get("floor_64"), "{:.0f}"),
                          num(lk.get("sdk_threads_8"), "{:.0f}")])
         lines += table(["mode", "lmkv_async", "bare floor", "SDK, 8 threads"], rows)
+        lines += ["Where the client's time per lookup goes: `python benchmarks/profile_lookup.py` "
+                  "(py-spy samples of the event-loop thread, sorted into send, receive, release "
+                  "steps, op set-up and idle).", ""]
     lag = r.get("looplag", {}).get("rows", [])
     if lag:
         idle = r["looplag"].get("idle_max_gap")
