@@ -66,9 +66,19 @@ __all__ = [
     "L",
     "LoopTicker",
     "cpu_model",
+    "drain",
     "registered_engine",
     "summarize",
 ]
+
+
+async def drain(ctx: lmkv.AsyncKVContext | None) -> None:
+    """Wait for a context's background release steps (private; benchmarks only)."""
+    if ctx is None:
+        return
+    tasks = ctx._s._tasks
+    while tasks:
+        await asyncio.wait(list(tasks))
 
 
 def cpu_model() -> str:

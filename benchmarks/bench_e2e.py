@@ -97,6 +97,7 @@ from _common import (  # noqa: E402  (same directory)
     L,
     LoopTicker,
     cpu_model,
+    drain,
     registered_engine,
     summarize,
 )
@@ -913,15 +914,6 @@ class Bench:
         self.results[name] = res
         log(f"   done in {res['section_s']:.1f}s")
         print_section(name, res)
-
-
-async def drain(ctx: lmkv.AsyncKVContext | None) -> None:
-    """Wait for a context's background release steps (private ``_tasks``; benchmark only)."""
-    if ctx is None:
-        return
-    tasks = ctx._tasks
-    while tasks:
-        await asyncio.wait(list(tasks))
 
 
 def _p(xs: Sequence[float], q: float) -> float:

@@ -74,6 +74,7 @@ from _common import (  # noqa: E402  (same directory)
     L,
     LoopTicker,
     cpu_model,
+    drain,
     registered_engine,
     summarize,
 )
@@ -118,13 +119,6 @@ def prefaulted(n: int) -> torch.Tensor:
     t = torch.empty((2, L, n, D), dtype=DTYPE)
     t.view(torch.int16).fill_(0)
     return t
-
-
-async def drain(ctx: lmkv.AsyncKVContext) -> None:
-    """Wait for the context's background release steps (private; benchmark only)."""
-    tasks = ctx._s._tasks
-    while tasks:
-        await asyncio.wait(list(tasks))
 
 
 class Floor:
