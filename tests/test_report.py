@@ -75,7 +75,13 @@ def test_report_writes_the_page_and_both_charts(tmp_path: Path) -> None:
         assert width >= 800 and height >= 400, (name, width, height)
         assert (md.parent / name).stat().st_size > 20_000  # a drawn chart, not a blank page
     assert "## End to end" in text and "## Copy kernel" in text
-    assert "**4.99x** (" in text  # ratios in the tables come with their spread
+    # ratios in the tables come with their spread: the retrieve table's T=4096 out= ratio
+    # is the same figure as the committed run's first target
+    e2e = json.loads((RESULTS / "e2e.json").read_text())
+    (want,) = [t["value"] for t in e2e["targets"]
+               if t["target"] == "retrieve T=4096 into out= vs SDK retrieve"]
+    assert f"**{want:.2f}x** (" in text
+    assert "## Small transfers" in text and "bare floor" in text  # small.json's section
 
 
 def test_committed_page_embeds_the_committed_charts() -> None:
