@@ -160,7 +160,9 @@ class Floor:
         while self.outstanding:
             self.wait(max(self.outstanding))
 
-    def lookup(self, toks: list[int]) -> int:
+    def _looked_up(self, toks: list[int]) -> tuple[KeyEncoder, str, int]:
+        """lookup and its query, pipelined where lmkv pipelines them; returns the key
+        encoder, the request id and the hit chunks (read-locked on the server)."""
         rid = f"floor-{uuid.uuid4().hex}"
         enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
         n = len(toks)
@@ -172,6 +174,26 @@ class Floor:
         if self.pipelined:
             self.wait(ack)
         assert isinstance(hit, int) and hit > 0, hit
+        return enc, rid, hit
+
+    def _prepared(self, toks: list[int], instance_id: int) -> tuple[bytes, str, int, object]:
+        """A whole-prefix hit and its prepare_retrieve: (key, request id, hit, reply)."""
+        enc, rid, hit = self._looked_up(toks)
+        n = len(toks)
+        assert hit * C == n, hit
+        rkey = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
+        raw = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, instance_id)))
+        assert raw is not None
+        return rkey, rid, hit, raw
+
+    def _release_retrieve(self, rkey: bytes, rid: str, instance_id: int) -> None:
+        # sent now, replies collected later: lmkv releases after the caller resumed too
+        self.send(requests.commit_retrieve(self.d, rkey, instance_id))
+        self.send(requests.end_session(self.d, rid))
+
+    def lookup(self, toks: list[int]) -> int:
+        enc, rid, hit = self._looked_up(toks)
+        n = len(toks)
         fkey = enc.encode(prefix_len=n, start=0, end=hit * C, request_id=rid, worker_id=None)
         # release like lmkv: sent now, replies collected later
         self.send(requests.free_lookup_locks(self.d, fkey, self.ws))
@@ -182,22 +204,8 @@ class Floor:
         """A retrieve_view's RPCs, bare: lookup (+ query), prepare_retrieve, and the
         release (commit_retrieve, end_session) sent without waiting, as lmkv does at the
         block's exit. The server's share of a view, with no client around it."""
-        rid = f"floor-{uuid.uuid4().hex}"
-        enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
-        n = len(toks)
-        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=None)
-        ack = self.send(requests.lookup(self.d, key, self.ws))
-        if not self.pipelined:
-            self.wait(ack)
-        hit = self.wait(self.send(requests.query_prefetch_status(self.d, rid)))
-        if self.pipelined:
-            self.wait(ack)
-        assert isinstance(hit, int) and hit * C == n, hit
-        rkey = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
-        reply = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, instance_id)))
-        assert reply is not None
-        self.send(requests.commit_retrieve(self.d, rkey, instance_id))
-        self.send(requests.end_session(self.d, rid))
+        rkey, rid, hit, _ = self._prepared(toks, instance_id)
+        self._release_retrieve(rkey, rid, instance_id)
         return hit
 
     def store(self, ctx: lmkv.AsyncKVContext, kv: torch.Tensor, toks: list[int]) -> int:
@@ -225,25 +233,12 @@ class Floor:
         prepare_retrieve, the same C kernel gather; the release sent without waiting."""
         s = ctx._s
         assert s.pool is not None and s.slot_spec is not None
-        rid = f"floor-{uuid.uuid4().hex}"
-        n = len(toks)
-        enc = KeyEncoder(self.d, MODEL, self.ws, toks, "")
-        key = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=None)
-        ack = self.send(requests.lookup(self.d, key, self.ws))
-        if not self.pipelined:
-            self.wait(ack)
-        hit = self.wait(self.send(requests.query_prefetch_status(self.d, rid)))
-        if self.pipelined:
-            self.wait(ack)
-        assert isinstance(hit, int) and hit * C == n, hit
-        rkey = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
-        raw = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, s.instance_id)))
+        rkey, rid, hit, raw = self._prepared(toks, s.instance_id)
         reply = parse_prepare_retrieve(raw, s.slot_spec, hit)
         assert reply.success and reply.shm
         chunks = [(i, s.pool.address + sl.offset) for i, sl in enumerate(reply.slots)]
         kernel.chunks_to_dense(out, chunks, chunk_tokens=C, region=s.pool.region)
-        self.send(requests.commit_retrieve(self.d, rkey, s.instance_id))
-        self.send(requests.end_session(self.d, rid))
+        self._release_retrieve(rkey, rid, s.instance_id)
         return hit
 
     def many(self, toks: list[int], n: int, in_flight: int) -> float:
