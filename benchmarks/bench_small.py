@@ -127,7 +127,8 @@ class Floor:
     def __init__(self, ctx: lmkv.AsyncKVContext) -> None:
         # the same sequence lmkv sends: query right behind the lookup when the server's
         # normal pool is one ordered thread
-        self.pipelined = ctx._s.pipelines_lookup_query
+        self.s = ctx._s  # the context's session: its instance id, pool and slot layout
+        self.pipelined = self.s.pipelines_lookup_query
         self.d = ctx.dialect
         self.ws = ctx.layout.world_size
         self.zctx = zmq.Context()
@@ -176,19 +177,19 @@ class Floor:
         assert isinstance(hit, int) and hit > 0, hit
         return enc, rid, hit
 
-    def _prepared(self, toks: list[int], instance_id: int) -> tuple[bytes, str, int, object]:
+    def _prepared(self, toks: list[int]) -> tuple[bytes, str, int, object]:
         """A whole-prefix hit and its prepare_retrieve: (key, request id, hit, reply)."""
         enc, rid, hit = self._looked_up(toks)
         n = len(toks)
         assert hit * C == n, hit
         rkey = enc.encode(prefix_len=n, start=0, end=n, request_id=rid, worker_id=0)
-        raw = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, instance_id)))
+        raw = self.wait(self.send(requests.prepare_retrieve(self.d, rkey, self.s.instance_id)))
         assert raw is not None
         return rkey, rid, hit, raw
 
-    def _release_retrieve(self, rkey: bytes, rid: str, instance_id: int) -> None:
+    def _release_retrieve(self, rkey: bytes, rid: str) -> None:
         # sent now, replies collected later: lmkv releases after the caller resumed too
-        self.send(requests.commit_retrieve(self.d, rkey, instance_id))
+        self.send(requests.commit_retrieve(self.d, rkey, self.s.instance_id))
         self.send(requests.end_session(self.d, rid))
 
     def lookup(self, toks: list[int]) -> int:
@@ -200,19 +201,19 @@ class Floor:
         self.send(requests.end_session(self.d, rid))
         return hit * C
 
-    def view(self, toks: list[int], instance_id: int) -> int:
+    def view(self, toks: list[int]) -> int:
         """A retrieve_view's RPCs, bare: lookup (+ query), prepare_retrieve, and the
         release (commit_retrieve, end_session) sent without waiting, as lmkv does at the
         block's exit. The server's share of a view, with no client around it."""
-        rkey, rid, hit, _ = self._prepared(toks, instance_id)
-        self._release_retrieve(rkey, rid, instance_id)
+        rkey, rid, hit, _ = self._prepared(toks)
+        self._release_retrieve(rkey, rid)
         return hit
 
-    def store(self, ctx: lmkv.AsyncKVContext, kv: torch.Tensor, toks: list[int]) -> int:
+    def store(self, kv: torch.Tensor, toks: list[int]) -> int:
         """A store's RPCs and copy, bare and blocking: prepare_store, the same C kernel
         scatter into the reserved slots, commit_store; end_session sent without waiting
         (lmkv sends it after answering too). Returns the chunks written."""
-        s = ctx._s
+        s = self.s
         assert s.pool is not None and s.slot_spec is not None
         rid = f"floor-{uuid.uuid4().hex}"
         n = len(toks)
@@ -228,17 +229,17 @@ class Floor:
         assert ok is True, ok
         return len(chunks)
 
-    def retrieve(self, ctx: lmkv.AsyncKVContext, toks: list[int], out: torch.Tensor) -> int:
+    def retrieve(self, toks: list[int], out: torch.Tensor) -> int:
         """A retrieve(out=)'s RPCs and copy, bare and blocking: lookup (+ query),
         prepare_retrieve, the same C kernel gather; the release sent without waiting."""
-        s = ctx._s
+        s = self.s
         assert s.pool is not None and s.slot_spec is not None
-        rkey, rid, hit, raw = self._prepared(toks, s.instance_id)
+        rkey, rid, hit, raw = self._prepared(toks)
         reply = parse_prepare_retrieve(raw, s.slot_spec, hit)
         assert reply.success and reply.shm
         chunks = [(i, s.pool.address + sl.offset) for i, sl in enumerate(reply.slots)]
         kernel.chunks_to_dense(out, chunks, chunk_tokens=C, region=s.pool.region)
-        self._release_retrieve(rkey, rid, s.instance_id)
+        self._release_retrieve(rkey, rid)
         return hit
 
     def many(self, toks: list[int], n: int, in_flight: int) -> float:
@@ -393,12 +394,12 @@ class Bench:
                     await self.room(T * TOKEN_BYTES)
                     ftoks = self.tokens(T)
                     t11 = time.perf_counter()
-                    assert floor.store(self.c, kv, ftoks) == T // C
+                    assert floor.store(kv, ftoks) == T // C
                     t12 = time.perf_counter()
                     floor.drain()
                     b.zero_()
                     t13 = time.perf_counter()
-                    assert floor.retrieve(self.c, ftoks, b) == T // C
+                    assert floor.retrieve(ftoks, b) == T // C
                     t14 = time.perf_counter()
                     floor.drain()
                     floor_t = {"floor_store": t12 - t11, "floor_retrieve_out": t14 - t13}
@@ -468,7 +469,7 @@ class Bench:
                                 tensors = view.tensors
                             assert len(tensors) == T // C
                         else:
-                            assert floor.view(toks, self.c._s.instance_id) == T // C
+                            assert floor.view(toks) == T // C
                         samples[who].append(time.perf_counter() - t0)
                 floor.drain()
                 rows.append({"T": T, "bytes": T * TOKEN_BYTES, "view": summarize(samples["lmkv"]),

@@ -1,11 +1,11 @@
 """Where a client's time per lookup goes: py-spy samples of sequential lookups.
 
-    python benchmarks/profile_lookup.py [--n 6000] [--seconds 5]
+    python benchmarks/profile_lookup.py [--seconds 5] [--rate 1000]
 
 Starts a real lmcache 0.5.6 server (``$LMKV_LMCACHE_PYTHON_056``), stores one
-1024-token prefix, times ``--n`` lookups one at a time without a profiler, then
-runs the same loop again with ``py-spy`` attached to its own pid for
-``--seconds`` and sorts the event-loop thread's samples into buckets (each
+1024-token prefix, times lookups one at a time for ``--seconds`` without a
+profiler, then runs the same loop again with ``py-spy`` attached to its own pid
+(``--rate`` samples per second) and sorts the event-loop thread's samples into buckets (each
 sample counts once, in the first bucket its stack matches):
 
 * ``waiting in epoll`` -- the loop has nothing to do (the server is working);

@@ -266,10 +266,12 @@ def small_md(sm: dict[str, Any]) -> list[str]:
     """Small transfers, the zero-copy view, lookups and loop lag (bench_small.py)."""
     r = sm["results"]
     srv = sm.get("server", {})
+    g = sm.get("geometry", {})
     lines = [
         "## Small transfers, views and lookups (`benchmarks/bench_small.py`)",
         "",
-        f"lmcache {srv.get('version', '?')} with SHM, L=32 NH=8 HS=128 bf16, chunk 256, "
+        f"lmcache {srv.get('version', '?')} with SHM, L={g.get('L', '?')} NH={g.get('NH', '?')} "
+        f"HS={g.get('HS', '?')} {g.get('dtype', '?')}, chunk {g.get('C', '?')}, "
         f"{sm.get('reps', '?')} reps, {sm.get('date', '')}. A *bare floor* is a blocking "
         "pyzmq client in the same process sending the same RPCs (and, for store and "
         "retrieve, running the same C kernel copy) with nothing around them: what the "
