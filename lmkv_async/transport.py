@@ -313,12 +313,12 @@ class Connection:
                     return await future  # the deadline passed or the peer went away first
             except zmq.ZMQError as exc:
                 raise from_zmq_error(exc, op=op, server=self.url) from None
-            else:
-                if sent is not None and not sent.done():
-                    sent.set_result(None)
-                # A send through the sync view can consume the socket's edge-triggered
-                # readiness signal, so the reader might not wake: check for replies here.
-                self._drain()
+            # Sent, at once or after waiting for room.
+            if sent is not None and not sent.done():
+                sent.set_result(None)
+            # A send through the sync view can consume the socket's edge-triggered
+            # readiness signal, so the reader might not wake: check for replies here.
+            self._drain()
             return await future
         except _Expired:
             keep_for_late = on_late is not None and late_window > 0

@@ -1,6 +1,6 @@
 """A hostile server: the client against a fake lmcache MP server that misbehaves on purpose.
 
-The fake is a real ``zmq.asyncio`` ROUTER (its own event loop, in a thread) plus a
+The fake is a real ZMQ ROUTER (a blocking socket polled in its own thread) plus a
 tiny ``http.server`` answering ``/version`` ("0.5.6-gfake", or "0.5.2-gfake" when it
 speaks the 0.5.2 op table), ``/config`` and ``/status`` (each can be replaced or
 made a 404). It hands out a real SHM segment it created itself, larger than the pool
@@ -51,7 +51,6 @@ import msgpack
 import pytest
 import torch
 import zmq
-import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from servers import assert_quiescent
@@ -213,8 +212,9 @@ class FakeLMCache:
         #: op frames that did not decode to an int of the 0.5.6 table (never reset)
         self.bad_ops: list[object] = []
         self.reset()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
+        #: exceptions raised by ``_handle`` (the request then goes unanswered; never reset)
+        self.handler_errors: list[str] = []
+        self._stopping = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-lmcache-zmq", daemon=True)
         self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HttpHandler)
@@ -240,8 +240,7 @@ class FakeLMCache:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._stopping.set()
         self._thread.join(10)
         self._httpd.shutdown()
         self._httpd.server_close()
@@ -264,55 +263,62 @@ class FakeLMCache:
             self.seg.buf[:] = bytes([SENTINEL]) * self.seg.size
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            self._task = loop.create_task(self._serve())
-            with contextlib.suppress(asyncio.CancelledError):
-                loop.run_until_complete(self._task)
-        finally:
-            loop.close()
-
-    async def _serve(self) -> None:
-        ctx = zmq.asyncio.Context()
+        # A plain blocking ROUTER polled level-triggered, in its own thread: zmq.asyncio's
+        # edge-triggered FD wake-ups, shared by a recv loop and delayed-send tasks, were
+        # the one suspect left when a first request of a test once went unanswered for
+        # 5.5 s (a fake that loses a wake-up fails the client's test, not the fake's).
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         self.port = sock.bind_to_random_port("tcp://127.0.0.1")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        #: replies not due yet, in the order they were made: (due, gate, frames)
+        waiting: list[tuple[float, threading.Event | None, list[bytes]]] = []
         self._ready.set()
-        sends: set[asyncio.Task[None]] = set()
         try:
-            while True:
-                frames = await sock.recv_multipart()
-                reply = self._handle(frames)
-                for item in reply.replies if isinstance(reply, Multi) else [reply]:
-                    if item is None:
-                        continue
-                    if isinstance(item, (Later, Hold)):
-                        with self._lock:
-                            self.replies_pending += 1
-                        task = asyncio.create_task(self._send_later(sock, frames[0], item))
-                        sends.add(task)
-                        task.add_done_callback(sends.discard)
-                    else:
-                        await sock.send_multipart([frames[0], *item])
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                due = [w for w in waiting if (w[1].is_set() if w[1] else w[0] <= now)]
+                for w in sorted(due, key=lambda w: w[0]):  # stable: equal delays keep order
+                    waiting.remove(w)
+                    sock.send_multipart(w[2])
+                    with self._lock:
+                        self.replies_pending -= 1
+                timers = [w[0] - now for w in waiting if w[1] is None]
+                wait_ms = max(0.0, min([0.005, *timers])) * 1000
+                if not poller.poll(wait_ms):
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._answer(sock, frames, waiting)
         finally:
-            for task in sends:
-                task.cancel()
             sock.close(0)
             ctx.term()
 
-    async def _send_later(self, sock: zmq.asyncio.Socket, identity: bytes,
-                          later: Later | Hold) -> None:
+    def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes],
+                waiting: list[tuple[float, threading.Event | None, list[bytes]]]) -> None:
         try:
-            if isinstance(later, Later):
-                await asyncio.sleep(later.delay)
-            else:
-                while not later.gate.is_set():
-                    await asyncio.sleep(0.005)
-            await sock.send_multipart([identity, *later.frames])
-        finally:
+            reply = self._handle(frames)
+        except Exception as exc:  # a broken handler is the test's bug: keep serving, report it
             with self._lock:
-                self.replies_pending -= 1
+                self.handler_errors.append(repr(exc))
+            return
+        for item in reply.replies if isinstance(reply, Multi) else [reply]:
+            if item is None:
+                continue
+            if isinstance(item, (Later, Hold)):
+                with self._lock:
+                    self.replies_pending += 1
+                if isinstance(item, Later):
+                    waiting.append((time.monotonic() + item.delay, None, [frames[0], *item.frames]))
+                else:
+                    waiting.append((time.monotonic(), item.gate, [frames[0], *item.frames]))
+            else:
+                sock.send_multipart([frames[0], *item])
 
     # -- HTTP ---------------------------------------------------------------------------
     def http_body(self, path: str) -> Any:
@@ -532,6 +538,7 @@ def _short_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _assert_int_ops(fake: FakeLMCache) -> None:
     assert not fake.bad_ops, f"non-integer or unknown op frames sent: {fake.bad_ops!r}"
+    assert not fake.handler_errors, f"the fake's handlers raised: {fake.handler_errors!r}"
 
 
 @pytest.fixture

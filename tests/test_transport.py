@@ -1,0 +1,126 @@
+"""The ZMQ transport below the protocol: sends refused at the high-water mark.
+
+A request that meets a full send queue waits for room and then goes out. These
+tests make the queue fill up for real: a peer that stops reading, small socket
+buffers and high-water marks of 1, and megabyte payloads. No lmcache server is
+involved; the peer is a bare ROUTER that answers each request with a two-frame
+reply (uid, op), which is what the transport itself checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+from timing import SETTLE, eventually
+
+from lmkv_async.transport import Connection
+from lmkv_async.wire.requests import Request
+
+pytestmark = pytest.mark.anyio
+
+PAYLOAD = b"\0" * (1 << 20)  # 1 MiB: a few of these fill every buffer on the way
+
+
+class _Peer:
+    """A ROUTER in a thread that reads (and answers) only while ``reading`` is set."""
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.answered = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 16 << 10)
+        self.port = sock.bind_to_random_port("tcp://127.0.0.1")
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not self.reading.wait(0.01):
+                    continue
+                if not sock.poll(10):
+                    continue
+                frames = sock.recv_multipart()
+                sock.send_multipart(frames[:3])  # identity, uid, op: a two-frame reply
+                self.answered += 1
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def peer() -> Iterator[_Peer]:
+    p = _Peer()
+    yield p
+    p.stop()
+
+
+async def test_send_at_high_water_mark_waits_then_goes_out(peer: _Peer) -> None:
+    """Requests that hit the high-water mark while the peer is not reading go out once
+    it reads again: each is answered, and each one's ``sent`` signal fires (a
+    pipelined lookup depends on it to send its query behind the lookup)."""
+    ctx = zmq.asyncio.Context()
+    conn = Connection(ctx, f"tcp://127.0.0.1:{peer.port}", 0)
+    # Options before connect() apply to the pipe it makes.
+    conn._sock.setsockopt(zmq.SNDHWM, 1)
+    conn._sock.setsockopt(zmq.SNDBUF, 16 << 10)
+    conn.start()
+    try:
+        assert await conn.wait_connected(SETTLE)
+        n = 12
+        req = Request("noop", 21, (msgpack.packb(0), PAYLOAD))
+        sents = [asyncio.get_running_loop().create_future() for _ in range(n)]
+        calls = [asyncio.ensure_future(conn.request(req, timeout=4 * SETTLE, sent=s))
+                 for s in sents]
+        # With nobody reading, the queue fills and the later requests are refused.
+        await eventually(lambda: conn._writable, what="a send waiting at the high-water mark")
+        assert not all(s.done() for s in sents)
+        peer.reading.set()
+        replies = await asyncio.wait_for(asyncio.gather(*calls), 4 * SETTLE)
+        assert len(replies) == n and peer.answered == n
+        assert all(s.done() for s in sents), "a send that waited for room never said it was sent"
+        assert conn.in_flight == 0 and not conn._writable
+    finally:
+        conn.close()
+        ctx.term()
+
+
+async def test_send_at_high_water_mark_times_out_cleanly(peer: _Peer) -> None:
+    """A request still refused when its deadline passes fails with ServerTimeoutError
+    and leaves no waiter or pending entry behind."""
+    import lmkv_async as lmkv
+
+    ctx = zmq.asyncio.Context()
+    conn = Connection(ctx, f"tcp://127.0.0.1:{peer.port}", 0)
+    conn._sock.setsockopt(zmq.SNDHWM, 1)
+    conn._sock.setsockopt(zmq.SNDBUF, 16 << 10)
+    conn.start()
+    try:
+        assert await conn.wait_connected(SETTLE)
+        req = Request("noop", 21, (msgpack.packb(0), PAYLOAD))
+        calls = [asyncio.ensure_future(conn.request(req, timeout=1.0)) for _ in range(12)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, lmkv.ServerTimeoutError) for r in results), results
+        assert conn.in_flight == 0
+        assert not [w for w in conn._writable if not w.done()]
+    finally:
+        conn.close()
+        ctx.term()
