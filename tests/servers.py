@@ -18,7 +18,7 @@ against the installed ``lmkv_async``).
 * :func:`checked_context` opens a context and runs both checks around it.
 
 Server interpreters come from :func:`lmkv_async.testing.find_server_python`
-(``$LMKV_LMCACHE_PYTHON_056`` / ``_052`` or ``.nox/lmcache-server-0XY``). A
+(``$LMKV_LMCACHE_PYTHON_056`` / ``_052`` / ``_057RC2``, which ``nox -s tests`` sets). A
 missing one fails the tests that need it, unless
 ``LMKV_ALLOW_MISSING_SERVERS=1``, in which case they are skipped.
 """
@@ -42,7 +42,13 @@ import pytest
 from timing import SETTLE
 
 import lmkv_async as lmkv
-from lmkv_async.testing import LocalServer, ServerConfig, find_server_python, server_env
+from lmkv_async.testing import (
+    LocalServer,
+    ServerConfig,
+    env_var_for,
+    find_server_python,
+    server_env,
+)
 
 HERE = Path(__file__).resolve().parent
 REGISTER_SCRIPT = HERE / "server_scripts" / "register_cpu_engine.py"
@@ -66,10 +72,11 @@ def server_python(version: str) -> str:
     """Interpreter of the lmcache ``version`` env; fails (or skips, if allowed) when absent."""
     python = find_server_python(version)
     if python is None:
-        tag = version.replace(".", "")
+        # Name the variable find_server_python really reads (it is upper-cased:
+        # 0.5.7rc2 -> ..._057RC2); a lower-case hint sent people to the wrong one.
         msg = (
-            f"no lmcache {version} server environment: set LMKV_LMCACHE_PYTHON_{tag} or "
-            f"build .nox/lmcache-server-{tag} (nox -s tests does it); "
+            f"no lmcache {version} server environment: set {env_var_for(version)} to its "
+            "python (nox -s tests builds the env and sets it); "
             "LMKV_ALLOW_MISSING_SERVERS=1 turns this into a skip"
         )
         if allow_missing_servers():

@@ -55,8 +55,10 @@ class _Peer:
                 if not sock.poll(10):
                     continue
                 frames = sock.recv_multipart()
-                sock.send_multipart(frames[:3])  # identity, uid, op: a two-frame reply
+                # Counted before the reply goes out: the client may see the reply (and
+                # the test read this count) before this thread runs another line.
                 self.answered += 1
+                sock.send_multipart(frames[:3])  # identity, uid, op: a two-frame reply
         finally:
             sock.close(0)
             ctx.term()
