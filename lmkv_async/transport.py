@@ -195,28 +195,42 @@ class Connection:
             return
 
     def _on_readable(self) -> None:
-        """The FD is edge-triggered and only says "events may have changed": re-check
-        ZMQ_EVENTS until no reply is left, and wake senders waiting for room."""
+        """The FD is edge-triggered and only says "events may have changed": see
+        :meth:`_drain`."""
         if self._closed:
             return
         try:
-            if self._writable and int(self._sock.getsockopt(_EVENTS)) & _POLLOUT:
-                for waiter in self._writable:
-                    if not waiter.done():
-                        waiter.set_result(None)
-                self._writable.clear()
-            self._drain()  # reads until ZMQ_EVENTS shows no reply left
+            self._drain()
         except zmq.ZMQError:
             return
 
     def _drain(self) -> None:
-        """Dispatch every reply that has arrived, without waiting."""
+        """Dispatch every reply that has arrived and wake senders waiting for room.
+
+        Every read of ZMQ_EVENTS (and every send or recv) may process the socket's
+        queued commands and so reset the FD's signal, so each value read is acted on in
+        full: POLLOUT wakes the senders, POLLIN reads a reply, and the loop ends only on
+        a value showing no reply. A second read whose POLLOUT went unheeded (a pipe
+        attached after the connect handshake, say) left a sender waiting with no wake-up
+        to come: a first request after connect then timed out, about once in 3000.
+        """
         sock = self._sock
-        # Asking ZMQ_EVENTS first is cheaper than ending on a raised zmq.Again.
-        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        while True:
+            events = int(sock.getsockopt(_EVENTS))
+            if events & _POLLOUT and self._writable:
+                for waiter in self._writable:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._writable.clear()
+            if not events & _POLLIN:
+                return
             try:
                 frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
+                # EVENTS was stale: look again on the next loop pass, not in a tight loop
+                # here, and not never (that could strand a reply as above).
+                if self._loop is not None:
+                    self._loop.call_soon(self._on_readable)
                 return
             self._dispatch(frames)
 

@@ -263,10 +263,9 @@ class FakeLMCache:
             self.seg.buf[:] = bytes([SENTINEL]) * self.seg.size
 
     def _run(self) -> None:
-        # A plain blocking ROUTER polled level-triggered, in its own thread: zmq.asyncio's
-        # edge-triggered FD wake-ups, shared by a recv loop and delayed-send tasks, were
-        # the one suspect left when a first request of a test once went unanswered for
-        # 5.5 s (a fake that loses a wake-up fails the client's test, not the fake's).
+        # A plain blocking ROUTER polled level-triggered, in its own thread: a fake that
+        # lost a wake-up would fail the client's test, not its own, so it has none of
+        # zmq.asyncio's edge-triggered FD handling to get wrong.
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

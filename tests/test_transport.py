@@ -4,7 +4,9 @@ A request that meets a full send queue waits for room and then goes out. These
 tests make the queue fill up for real: a peer that stops reading, small socket
 buffers and high-water marks of 1, and megabyte payloads. No lmcache server is
 involved; the peer is a bare ROUTER that answers each request with a two-frame
-reply (uid, op), which is what the transport itself checks.
+reply (uid, op), which is what the transport itself checks. The last test drives the
+reader alone, with scripted ZMQ_EVENTS values, to pin a lost wake-up that real
+sockets show only about once in 3000 connects.
 """
 
 from __future__ import annotations
@@ -124,5 +126,56 @@ async def test_send_at_high_water_mark_times_out_cleanly(peer: _Peer) -> None:
         assert conn.in_flight == 0
         assert not [w for w in conn._writable if not w.done()]
     finally:
+        conn.close()
+        ctx.term()
+
+
+class _ScriptedEvents:
+    """Stands in for the DEALER inside :meth:`Connection._drain` only: each ZMQ_EVENTS
+    read returns the next scripted value, as if the socket processed a command (a pipe
+    attached after the handshake) between two reads. Every value read is recorded."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+        self.read: list[int] = []
+
+    def getsockopt(self, opt: int) -> int:
+        assert opt == zmq.EVENTS
+        value = self.script.pop(0) if self.script else self.read[-1]
+        self.read.append(value)
+        return value
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        raise zmq.Again()
+
+
+async def test_room_seen_by_any_events_read_wakes_the_waiting_sender() -> None:
+    """Reading ZMQ_EVENTS resets the FD's signal, so no read may drop what it saw.
+
+    The script: the first read shows nothing, the next shows room (POLLOUT). Whatever
+    the reader reads, a POLLOUT among its reads must wake the sender waiting for room;
+    one that read room and ignored it left the sender with no wake-up to come (the
+    FD had been reset), and a first request after connect timed out.
+    """
+    ctx = zmq.asyncio.Context()
+    conn = Connection(ctx, "tcp://127.0.0.1:9", 0)
+    real = conn._sock
+    loop = asyncio.get_running_loop()
+    try:
+        scripted = _ScriptedEvents([0, int(zmq.POLLOUT)])
+        conn._sock = scripted  # type: ignore[assignment]
+        room: asyncio.Future[None] = loop.create_future()
+        conn._writable.append(room)
+        conn._on_readable()  # the FD fired
+        if int(zmq.POLLOUT) in scripted.read:
+            assert room.done(), f"room read ({scripted.read}) but the sender was not woken"
+        else:
+            # The reader stopped after a read that showed nothing: the command that came
+            # after it signals the FD again, and that call must see the room.
+            conn._on_readable()
+            assert room.done()
+        assert not conn._writable
+    finally:
+        conn._sock = real
         conn.close()
         ctx.term()
