@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import platform
 import queue
 import statistics
@@ -34,7 +33,7 @@ except ImportError:  # a source checkout
 import torch  # noqa: E402
 
 import lmkv_async as lmkv  # noqa: E402
-from lmkv_async.testing import LocalServer, server_env  # noqa: E402
+from lmkv_async.testing import LocalServer, server_env, unlink_engine_segments  # noqa: E402
 
 REGISTER_SCRIPT = ROOT / "tests" / "server_scripts" / "register_cpu_engine.py"
 SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
@@ -174,6 +173,7 @@ def registered_engine(
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=logf, env=server_env())
+    unlink_engine_segments(proc.pid)  # stale ones of an earlier holder of this pid
     lines: queue.Queue[bytes | None] = queue.Queue()
 
     def pump() -> None:
@@ -209,10 +209,6 @@ def registered_engine(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
-        prefix = f"lmcache_kv_{proc.pid}_"
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(prefix):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join("/dev/shm", name))
+        unlink_engine_segments(proc.pid)
 
 

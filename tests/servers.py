@@ -48,6 +48,7 @@ from lmkv_async.testing import (
     env_var_for,
     find_server_python,
     server_env,
+    unlink_engine_segments,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -263,7 +264,7 @@ def _read_ready(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]
             return info
 
 
-def _stop_registration(proc: subprocess.Popen[bytes], pid_segments: str) -> None:
+def _stop_registration(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None and proc.stdin is not None:
         with contextlib.suppress(OSError):
             proc.stdin.close()  # EOF: the script unregisters and exits
@@ -274,10 +275,7 @@ def _stop_registration(proc: subprocess.Popen[bytes], pid_segments: str) -> None
         proc.wait(timeout=30)
     # The script unlinks its /dev/shm/lmcache_kv_<pid>_<n> segments; if it was
     # killed they would stay, so sweep them (this pid only).
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(pid_segments):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join("/dev/shm", name))
+    unlink_engine_segments(proc.pid)
 
 
 @contextlib.contextmanager
@@ -330,7 +328,11 @@ def registered_engine(
             stderr=log,
             env=server_env(),
         )
-    segments = f"lmcache_kv_{proc.pid}_"
+    # lmcache names the segments after the pid, and creates them with O_EXCL: one left
+    # by an earlier process that had this pid (killed before it cleaned up) made the
+    # helper fail with FileExistsError. The helper is still importing torch here, so
+    # whatever carries its pid now is stale.
+    unlink_engine_segments(proc.pid)
     try:
         info = _read_ready(proc, timeout)
         if info is None:
@@ -343,7 +345,7 @@ def registered_engine(
             )
         yield Registration(info=info, proc=proc, log_path=log_path)
     finally:
-        _stop_registration(proc, segments)
+        _stop_registration(proc)
 
 
 # --------------------------------------------------------------------------- leak checks

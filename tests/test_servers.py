@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from servers import (
 )
 from timing import eventually_sync
 
-from lmkv_async.testing import LocalServer, ServerConfig, server_env
+from lmkv_async.testing import LocalServer, ServerConfig, server_env, unlink_engine_segments
 
 REPO = Path(__file__).resolve().parent.parent
 SDK_PEER = REPO / "benchmarks" / "sdk_peer.py"
@@ -101,6 +102,24 @@ def test_missing_server_python_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("LMKV_ALLOW_MISSING_SERVERS", "1")
     with pytest.raises(pytest.skip.Exception):
         server_python("0.9.9")
+
+
+def test_stale_engine_segments_of_one_pid_are_unlinked() -> None:
+    """Segments left by a killed engine are removed for that pid, and only that pid's:
+    a later engine reusing the pid would fail on them (lmcache creates them with O_EXCL)."""
+    pid = 4_000_000 + os.getpid()  # above any real pid_max: no live process owns it
+    mine = [f"/dev/shm/lmcache_kv_{pid}_{n}" for n in (0, 1)]
+    other = f"/dev/shm/lmcache_kv_{pid}0_0"  # a pid with the same leading digits
+    for path in [*mine, other]:
+        Path(path).write_bytes(b"stale")
+    try:
+        unlink_engine_segments(pid)
+        assert not [p for p in mine if os.path.exists(p)]
+        assert os.path.exists(other)
+    finally:
+        for path in [*mine, other]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def test_leak_report_reads_status_fields() -> None:

@@ -27,6 +27,7 @@ from .server import (
     find_server_python,
     free_port,
     server_env,
+    unlink_engine_segments,
 )
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "find_server_python",
     "free_port",
     "server_env",
+    "unlink_engine_segments",
 ]
