@@ -107,7 +107,7 @@ def test_missing_server_python_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> 
 def test_stale_engine_segments_of_one_pid_are_unlinked() -> None:
     """Segments left by a killed engine are removed for that pid, and only that pid's:
     a later engine reusing the pid would fail on them (lmcache creates them with O_EXCL)."""
-    pid = 4_000_000 + os.getpid()  # above any real pid_max: no live process owns it
+    pid = 4_000_000 + os.getpid()  # past the usual pid_max (32768 here): no engine gets it
     mine = [f"/dev/shm/lmcache_kv_{pid}_{n}" for n in (0, 1)]
     other = f"/dev/shm/lmcache_kv_{pid}0_0"  # a pid with the same leading digits
     for path in [*mine, other]:
