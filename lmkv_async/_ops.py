@@ -37,10 +37,11 @@ from .errors import (
     KVCacheError,
     ProtocolError,
     ServerError,
+    ServerTimeoutError,
     TransportUnavailableError,
     with_context,
 )
-from .memory import RegionArg, offload
+from .memory import Region, RegionArg, offload
 from .transport import Connection
 from .wire import requests
 from .wire.frames import Reply
@@ -286,9 +287,15 @@ async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, sal
             await s.read_gates.acquire(gate, deadline, s.url)
             seq.read_gate = gate
         seq.retrieve_key = key
-        prepared = Prepared.SENT
-        raw = await s.rpc(seq.conn, requests.prepare_retrieve(s.d, key, s.instance_id),
-                          deadline, request_id=seq.rid, grace_from=seq.started)
+        # SENT only once the request is on the socket: a prepare that never went out
+        # (its deadline used up at the read gate) leaves the locks with the lookup.
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            raw = await s.rpc(seq.conn, requests.prepare_retrieve(s.d, key, s.instance_id),
+                              deadline, request_id=seq.rid, grace_from=seq.started,
+                              sent=sent)
+        finally:
+            prepared = Prepared.SENT if sent.done() else Prepared.NONE
         if spec is None and has_slots(raw):
             # An SHM server serves retrieves only through its pool, which this
             # client could not map; commit_retrieve (cleanup) releases the read.
@@ -342,7 +349,8 @@ class ViewHold:
     release steps. Its task is tracked by the session like any operation.
     """
 
-    def __init__(self, task: asyncio.Task[int], ready: asyncio.Future[list[tuple[int, int]]],
+    def __init__(self, task: asyncio.Task[int],
+                 ready: asyncio.Future[tuple[list[tuple[int, int]], RegionArg]],
                  done: asyncio.Event, state: OpState, started: float) -> None:
         self.task = task
         self.ready = ready
@@ -367,15 +375,16 @@ class ViewHold:
 
 
 async def open_view(s: Session, toks: list[int], n: int, salt: str,
-                    deadline: float) -> tuple[ViewHold, list[tuple[int, int]]]:
+                    deadline: float) -> tuple[ViewHold, list[tuple[int, int]], Region]:
     """Run the retrieve sequence up to the copy and hold it there (SHM only).
 
-    Returns the hold and the placements (empty on a miss). If the caller is
+    Returns the hold, the placements (empty on a miss) and the bounds of the pool
+    they lie in (the pool of the registration that handed them out). If the caller is
     cancelled while waiting, the hold is released and the task releases
     whatever the sequence got (the same rules as a retrieve).
     """
     loop = asyncio.get_running_loop()
-    ready: asyncio.Future[list[tuple[int, int]]] = loop.create_future()
+    ready: asyncio.Future[tuple[list[tuple[int, int]], RegionArg]] = loop.create_future()
     done = asyncio.Event()
     state = OpState()
     started = time.monotonic()
@@ -383,7 +392,7 @@ async def open_view(s: Session, toks: list[int], n: int, salt: str,
     async def consume(hit: int, chunks: list[tuple[int, int]], region: RegionArg,
                       nbytes: int) -> None:
         if not ready.done():  # the caller gave up already: release at once
-            ready.set_result(chunks)
+            ready.set_result((chunks, region))
             s.open_views.add(hold.end)
             try:
                 await done.wait()
@@ -402,14 +411,16 @@ async def open_view(s: Session, toks: list[int], n: int, salt: str,
         hold.release()
         raise
     if ready.done():
-        return hold, ready.result()
+        chunks, region = ready.result()
+        assert isinstance(region, Region)  # SHM: one pool
+        return hold, chunks, region
     ready.cancel()
     hold.release()
     try:
         task.result()  # a miss returns 0; an error is the caller's error
     except ServerError as exc:
         raise with_context(exc, server=s.url) from None
-    return hold, []
+    return hold, [], Region(0, 0)
 
 
 # ---------------------------------------------------------------------- store
@@ -452,11 +463,22 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
         # Every reserved slot is filled completely before commit (§6.6); the
         # sequence runs on even if the caller is cancelled.
         await _copy(to_chunks, chunks, pool.region, nbytes=nbytes)
-        ok = as_bool(
-            await s.rpc(conn, requests.commit_store(s.d, key, s.instance_id), commit_deadline,
-                        request_id=rid, grace_from=seq.started),
-            "commit_store",
-        )
+        # The server now holds our write locks: the commit gets a budget of its own
+        # and goes out even when the copy ended past the caller's deadline. The
+        # caller waits for it until that deadline; past it the commit completes in
+        # a tracked task (close waits for it) and the caller gets the timeout.
+        commit = s.track(asyncio.ensure_future(s.rpc(
+            conn, requests.commit_store(s.d, key, s.instance_id),
+            max(commit_deadline, time.monotonic() + _session.CLEANUP_TIMEOUT),
+            request_id=rid, grace_from=seq.started)))
+        await asyncio.wait({commit}, timeout=max(0.0, commit_deadline - time.monotonic()))
+        if not commit.done():
+            raise ServerTimeoutError(
+                "commit_store was not answered within the deadline; it goes on in the "
+                "background (the chunks are published once the server answers)",
+                op="commit_store", server=s.url, request_id=rid,
+                timeout=max(0.0, commit_deadline - seq.started))
+        ok = as_bool(commit.result(), "commit_store")
         return len(prep.slots) if ok else 0
 
     async def late_store(reply: Reply) -> None:

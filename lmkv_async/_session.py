@@ -19,38 +19,41 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+import anyio.to_thread
 
 from . import _logctx
+from ._detect import (
+    DEFAULT_READ_TTL,
+    NEWEST,
+    detect_over_http,
+    probe_dialect,
+    read_chunk_size,
+    refine_capabilities,
+    request_loop_answers,
+)
 from ._locks import KeyedLock
+from ._optasks import OpState, TaskKeeper
+from ._shield import Once, finish
 from .errors import (
     ClosedError,
-    InvalidInputError,
     KVCacheError,
-    ProtocolError,
     ServerError,
     ServerTimeoutError,
     ServerUnavailableError,
     TransportUnavailableError,
     UnsupportedOperationError,
-    UnsupportedServerError,
     with_context,
 )
 from .http import ApiKey, HttpClient
-from .layout import KVLayout, discover_layout
+from .layout import KVLayout
 from .shm import PoolMapping
 from .transport import Connection, LateHandler, Transport
 from .validate import check_timeout
 from .wire import requests
-from .wire.dialect import (
-    CAP_KV_EVENTS,
-    NEWEST_TESTED,
-    Dialect,
-    dialect_from_config,
-    dialect_from_probe,
-    resolve_version,
-)
+from .wire.dialect import Dialect
 from .wire.keys import KeyEncoder, RegisterPayload
 from .wire.replies import SlotSpec, parse_register
 from .wire.requests import Request
@@ -58,7 +61,8 @@ from .wire.requests import Request
 if TYPE_CHECKING:
     from .cuda import GpuTransfers
 
-__all__ = ["CLEANUP_TIMEOUT", "CLOSE_BUDGET", "OpState", "Session", "TransportMode"]
+__all__ = ["CLEANUP_TIMEOUT", "CLOSE_BUDGET", "CLOSE_TOTAL", "OpState", "Session",
+           "TransportMode"]
 
 log = logging.getLogger("lmkv_async")
 
@@ -74,23 +78,15 @@ CLEANUP_TIMEOUT = 30.0
 #: before it cancels them; then at most :data:`UNREGISTER_TIMEOUT` more.
 CLOSE_BUDGET = 3.0
 UNREGISTER_TIMEOUT = 1.5
+#: The longest a close takes with a server that answers nothing: the budget, half a
+#: second for abandoned operations to fail, the unregister (copies already running in
+#: a thread are waited for on top: they end on their own).
+CLOSE_TOTAL = CLOSE_BUDGET + 0.5 + UNREGISTER_TIMEOUT
 
-#: ``--l1-read-ttl-seconds`` default (0.5.2 .. 0.5.7), used when ``/config`` lacks it
-DEFAULT_READ_TTL = 300.0
-
-_NEWEST = ".".join(map(str, NEWEST_TESTED))
-
-
-class OpState:
-    """Shared between a caller and its operation task."""
-
-    __slots__ = ("abandoned",)
-
-    def __init__(self) -> None:
-        self.abandoned = False
+_NEWEST = NEWEST
 
 
-class Session:
+class Session(TaskKeeper):
     """The server-facing state of one context (see the module docstring)."""
 
     def __init__(
@@ -108,6 +104,7 @@ class Session:
         prefault: bool,
         api_key: ApiKey | None,
     ) -> None:
+        TaskKeeper.__init__(self)
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -142,14 +139,19 @@ class Session:
         #: (instance, key) and key equality ignores request_id, so a second concurrent
         #: prepare_retrieve of the same key would overwrite the first's pending read.
         self.read_gates = KeyedLock()
-        self._tasks: set[asyncio.Task[Any]] = set()
         #: open retrieve_view blocks: close() ends them first, so their release steps
         #: run (and their tensors raise) instead of waiting out CLOSE_BUDGET
         self.open_views: set[Callable[[], None]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self.state: Literal["new", "open", "closing", "closed"] = "new"
+        #: runs the teardown once; every close (and a failed open) waits for it
+        self._closer = Once()
+        #: when the server last heard a ping or registration from us (its reaper's clock)
+        self._alive_at = time.monotonic()
+        self._pinged = False
         self._abandoned = False  # close gave up on unanswered requests: send nothing more
         self.reap_timeout: float | None = None
+        self.registration_grace: float | None = None
         #: the server's L1 read-lock TTL (``--l1-read-ttl-seconds``; 300 s by default on
         #: every supported release, compat.md §6.6), from ``/config`` at connect
         self.read_ttl = DEFAULT_READ_TTL
@@ -189,7 +191,8 @@ class Session:
         except BaseException:
             # Unregister whenever a registration was sent: its reply may have been late
             # or malformed after the server had registered us (unregister is idempotent).
-            await self.teardown(unregister=self._register_sent)
+            # Shielded: a cancelled connect must still undo what it did.
+            await self.shutdown(unregister=self._register_sent)
             raise
 
     async def _connect(self) -> None:
@@ -220,98 +223,33 @@ class Session:
         )
 
     async def _detect_server(self) -> None:
-        """Version, mode and chunk size over HTTP (compat.md §11, §14.7)."""
-        try:
-            self.server_version = await self.http.version()
-        except ProtocolError:
-            self.server_version = ""
-        config = await self.http.config()
-        info = resolve_version(self.server_version) if self.server_version else None
-        if info is not None:
-            if info.dialect is None:
-                raise UnsupportedServerError(
-                    f"lmcache {self.server_version} is older than 0.5.0", server=self.http_url)
-            self.dialect = info.dialect
-            self.untested_newer = info.untested_newer
-            if info.untested_newer:
-                log.warning(
-                    "lmcache %s at %s is newer than the newest release lmkv_async is tested "
-                    "with (%s); speaking the %s dialect", self.server_version, self.http_url,
-                    _NEWEST, info.dialect.name)
-        else:
-            self.dialect = dialect_from_config(config)
-        mp = config.get("mp") or {}
-        if mp.get("supported_transfer_mode") == "lmcache_driven":
-            raise UnsupportedServerError(
-                "the server runs --supported-transfer-mode lmcache_driven, which has no handler "
-                "for the engine-driven operations this client uses; restart it with "
-                "--supported-transfer-mode auto (or engine_driven)",
-                server=self.http_url,
-            )
-        # /config mp.chunk_size is only a fallback: on 0.5.7 it can be stale after an
-        # engine negotiated another size (compat.md §14.4); get_chunk_size decides.
-        chunk = mp.get("chunk_size")
-        if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-            self.chunk_size = chunk
-        l1 = (config.get("storage_manager") or {}).get("l1_manager_config") or {}
-        ttl = l1.get("read_ttl_seconds") if isinstance(l1, dict) else None
-        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl > 0:
-            self.read_ttl = float(ttl)
-        # One normal-pool thread (the default on every release) runs lookup and
-        # query_prefetch_status in arrival order, so the query may follow the lookup
-        # without waiting for its ack; with more threads it could overtake it, read 0
-        # and leave the lookup's locks behind (protocol reference §2.6).
-        workers = mp.get("max_cpu_workers")
-        self.ordered_normal_pool = isinstance(workers, int) and workers == 1
-        reap = mp.get("worker_reap_timeout_seconds")
-        if isinstance(reap, (int, float)) and reap > 0:
-            self.reap_timeout = float(reap)
-        if self.layout_arg is None:
-            self.layout_arg = discover_layout(await self.http.status(), self.model_name)
+        """Version, mode, chunk size and limits over HTTP (:mod:`._detect`)."""
+        facts = await detect_over_http(self.http, self.http_url, self.model_name,
+                                       self.layout_arg)
+        self.server_version = facts.server_version
+        self.dialect = facts.dialect
+        self.untested_newer = facts.untested_newer
+        self.chunk_size = facts.chunk_size
+        self.read_ttl = facts.read_ttl
+        self.ordered_normal_pool = facts.ordered_normal_pool
+        self.reap_timeout = facts.reap_timeout
+        self.registration_grace = facts.registration_grace
+        self.layout_arg = facts.layout
+
+    def _rpc_here(self, req: Request, deadline: float) -> Awaitable[object]:
+        return self.rpc(self.transport.pick(), req, deadline)
 
     async def _read_chunk_size(self) -> None:
-        """The chunk size from ``get_chunk_size`` (the portable rule, compat.md §14.7;
-        ``negotiate_chunk_size`` is never sent), checked against the layout."""
-        if self.d.has_op("get_chunk_size"):
-            raw = await self.rpc(self.transport.pick(), requests.get_chunk_size(self.d),
-                                 time.monotonic() + self.timeout)
-            if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
-                if self.chunk_size and raw != self.chunk_size:
-                    log.warning("the server's get_chunk_size (%d) differs from /config "
-                                "mp.chunk_size (%d); using %d", raw, self.chunk_size, raw)
-                self.chunk_size = raw
-            else:
-                raise ProtocolError(f"get_chunk_size answered {raw!r}", op="get_chunk_size",
-                                    server=self.url)
-        if self.chunk_size <= 0:
-            raise ProtocolError("the server reports no chunk size", server=self.http_url)
-        if self.chunk_size % self.layout.block_size != 0:
-            raise InvalidInputError(
-                f"chunk size {self.chunk_size} is not a multiple of block_size "
-                f"{self.layout.block_size}"
-            )
+        self.chunk_size = await read_chunk_size(
+            self._rpc_here, self.d, self.chunk_size, self.layout,
+            time.monotonic() + self.timeout, self.url, self.http_url)
 
     async def _probe_dialect(self) -> None:
-        # Op 21 with no payload is harmless on every supported table (compat.md §11).
-        result = await self.transport.pick().probe(requests.probe(), timeout=self.timeout)
-        self.dialect = dialect_from_probe(result)
-        if self.dialect is None:
-            raise UnsupportedServerError(f"cannot identify the server from {result!r}",
-                                         server=self.url)
+        self.dialect = await probe_dialect(self.transport.pick(), self.timeout, self.url)
 
     async def _refine_capabilities(self) -> None:
-        """Capabilities from the version table, confirmed by ``get_experimental`` where
-        that is reliable (0.5.6; 0.5.7rc2 answers ``[]`` although it has the stream)."""
-        caps = set(self.d.capabilities)
-        if self.d.experimental_reliable and CAP_KV_EVENTS in caps:
-            try:
-                raw = await self.rpc(self.transport.pick(), requests.get_experimental(self.d),
-                                     time.monotonic() + min(self.timeout, 5.0))
-            except ServerTimeoutError:
-                raw = None
-            if isinstance(raw, list) and "kv_event_stream" not in raw:
-                caps.discard(CAP_KV_EVENTS)
-        self.capabilities = frozenset(caps)
+        self.capabilities = await refine_capabilities(
+            self._rpc_here, self.d, time.monotonic() + min(self.timeout, 5.0))
 
     def require(self, capability: str, what: str) -> None:
         """Raise :class:`UnsupportedOperationError` (nothing sent) if the server lacks it."""
@@ -328,6 +266,7 @@ class Session:
         raw = await self.rpc(self.transport.pick(),
                              requests.register(self.d, self._register_payload()), deadline)
         reply = parse_register(raw)
+        self._alive_at = time.monotonic()
         old_pool = self.pool
         if old_pool is not None and old_pool.is_current(reply.shm_name, reply.pool_size):
             # Same server (e.g. only one socket of the pool reconnected): keep it.
@@ -354,7 +293,9 @@ class Session:
                     "TransportUnavailableError", reply.shm_name, exc)
             else:
                 if self._prefault and old_pool is None and not self._populating:
-                    how = await asyncio.to_thread(pool.populate)
+                    # finish(): a cancelled connect waits for the thread, which touches
+                    # the mapping that the failed open's teardown unmaps next
+                    how = await finish(anyio.to_thread.run_sync(pool.populate))
                     log.debug("pre-faulted SHM pool %s (%s)", reply.shm_name, how)
                 elif self._prefault:
                     # Re-registration (a restarted server): an operation is waiting on us,
@@ -399,12 +340,52 @@ class Session:
             ):
                 raise ServerUnavailableError("the server is unreachable", server=self.url)
         if self.transport.generation == self._registered_generation:
+            if not self._maybe_reaped():
+                return
+            async with self._register_lock:
+                if self._maybe_reaped():
+                    await self._register_again_after_stall(deadline)
             return
         async with self._register_lock:
             if self.transport.generation == self._registered_generation:
                 return
             log.info("server connection was re-established; registering again")
             await self._register(deadline)
+
+    def _reap_after(self) -> float | None:
+        """Silence after which the server's reaper drops this registration, if known."""
+        return self.reap_timeout if self._pinged else self.registration_grace
+
+    def _maybe_reaped(self) -> bool:
+        """True after a silence long enough for the server to have reaped us.
+
+        The heartbeat pings every quarter of the reap timeout; a gap past half of it
+        means this process stalled (a blocked event loop, a GC pause, a suspended VM),
+        and the reaper (it scans every quarter) may have dropped the registration.
+        """
+        limit = self._reap_after()
+        return (limit is not None and self.state == "open"
+                and time.monotonic() - self._alive_at > limit / 2)
+
+    async def _register_again_after_stall(self, deadline: float) -> None:
+        """Register again (idempotent on the server: a known instance only has its
+        liveness refreshed), saying in the log whether the server had dropped us."""
+        silent = time.monotonic() - self._alive_at
+        try:
+            ids = (await self.http.status()).get("registered_non_cuda_instance_ids")
+            reaped: bool | None = (isinstance(ids, list)
+                                   and self.instance_id not in {int(i) for i in ids})
+        except (KVCacheError, ValueError, TypeError):
+            reaped = None
+        if reaped:
+            log.warning("the server dropped this context's registration after %.0f s "
+                        "without a ping from it (reap timeout %.0f s: was the event loop "
+                        "blocked or the process suspended?); registering again", silent,
+                        self._reap_after() or 0.0)
+        else:
+            log.info("no contact with the server for %.0f s (over half its reap timeout); "
+                     "refreshing the registration", silent)
+        await self._register(deadline)
 
     async def _heartbeat_loop(self) -> None:
         assert self.heartbeat_interval is not None
@@ -414,8 +395,14 @@ class Session:
             try:
                 deadline = time.monotonic() + min(self.timeout, max(self.heartbeat_interval, 1.0))
                 await self.ensure_registered(deadline)
-                await self.rpc(self.transport.pick(), requests.ping(self.d, self.instance_id),
-                               deadline)
+                sent_at = time.monotonic()
+                pong = await self.rpc(self.transport.pick(),
+                                      requests.ping(self.d, self.instance_id), deadline)
+                if pong is not True:
+                    log.warning("ping answered %r (expected true)", pong)
+                else:
+                    self._alive_at = sent_at
+                    self._pinged = True
             except ServerTimeoutError as exc:
                 log.debug("heartbeat timed out: %s", exc)
                 await self._diagnose_silence()
@@ -423,32 +410,32 @@ class Session:
                 log.debug("heartbeat failed: %s", exc)
 
     async def _diagnose_silence(self) -> None:
-        """Tell a dead ZMQ request loop from a slow or frozen server (compat.md §12.11).
-
-        A 0.5.2 server's request loop dies for good on an op it cannot decode, while
-        its HTTP API keeps reporting healthy. If HTTP answers but a harmless op-21
-        probe on a fresh socket does not, later timeouts say so.
-        """
-        if not await self.http.healthcheck():
+        """Tell a dead ZMQ request loop from a slow or frozen server (compat.md §12.11)."""
+        answered = await request_loop_answers(self.http, self.transport.zmq_context, self.url)
+        if answered is None:
             return  # all of it is down or frozen: plain timeouts say enough
-        probe = Connection(self.transport.zmq_context, self.url, -1)
-        probe.start()
-        try:
-            answered = await probe.wait_connected(2.0)
-            if answered:
-                await probe.probe(requests.probe(), timeout=2.0)
-        except KVCacheError:
-            answered = False
-        finally:
-            probe.close()
         if not answered and not self.loop_dead:
             log.error("the server's ZMQ request loop is unresponsive while its HTTP API reports "
                       "healthy (%s); restart the server", self.url)
         self.loop_dead = not answered
 
     # ------------------------------------------------------------------ close
+    async def shutdown(self, *, unregister: bool = True) -> None:
+        """Shielded, bounded, idempotent close (see :mod:`._shield`).
+
+        The first call starts :meth:`teardown`; every call waits for it to end, even
+        when the caller is cancelled meanwhile (the cancellation is raised again
+        afterwards). It ends within :data:`CLOSE_TOTAL` seconds.
+        """
+        if self.state != "closed":
+            self.state = "closing"
+        await self._closer.run(lambda: self.teardown(unregister=unregister))
+
     async def teardown(self, *, unregister: bool) -> None:
-        """Stop the heartbeat, let release steps finish (bounded), unregister, close all."""
+        """Stop the heartbeat, let release steps finish (bounded), unregister, close all.
+
+        Call it through :meth:`shutdown`, which runs it once and shields it.
+        """
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
@@ -477,9 +464,14 @@ class Session:
             for c in self.transport.connections:
                 c.fail_pending("the context was closed before the server answered")
             await asyncio.wait(list(self._tasks), timeout=0.5)
-            for task in list(self._tasks):  # last resort: something not waiting on a reply
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            # Last resort: something not waiting on a reply. A task in a copy thread
+            # ends only once the thread has (memory.offload), so the pool is not
+            # unmapped under it. Release tasks that a cancelled one starts are
+            # cancelled (and so awaited) in turn: they would send nothing anyway.
+            while self._tasks:
+                for task in list(self._tasks):
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
         self._abandoned = False  # the unregister below is still worth a short try
         conn = self.transport.pick()
         if unregister and self.dialect is not None and not self.loop_dead and conn.connected:
@@ -555,62 +547,10 @@ class Session:
             log.warning("release step %s failed: %s", req.op, exc)
             return None
 
-    def release_later(self, steps: Coroutine[Any, Any, None]) -> None:
-        """Run release steps in the background: the caller has its answer already.
-
-        They are ordered after everything the operation did on the same socket,
-        and close waits for them (bounded) before unregistering.
-        """
-        self.track(asyncio.create_task(self._after_caller(steps)))
-
-    #: loop iterations a release step waits before its first send (see _after_caller)
-    release_yields = 3
-
-    async def _after_caller(self, steps: Coroutine[Any, Any, None]) -> None:
-        # Let the operation's caller resume first: it has its answer, and the release
-        # step's send (a syscall that wakes ZMQ's I/O thread: 0.1-0.4 ms on a loaded
-        # machine) would otherwise run before it. Three iterations cover the operation
-        # task's completion, the shield's hand-over and the caller's wake-up.
-        try:
-            for _ in range(self.release_yields):
-                await asyncio.sleep(0)
-        except BaseException:
-            steps.close()
-            raise
-        await steps
-
     def check_open(self) -> None:
         """Raise :class:`ClosedError` unless the context is open."""
         if self.state != "open":
             raise ClosedError(f"context is {self.state}")
-
-    async def run(self, op: Callable[[OpState], Coroutine[Any, Any, T]]) -> T:
-        """Run an operation in its own task; shield it from the caller's cancellation."""
-        state = OpState()
-        task = self.track(asyncio.create_task(op(state)))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and (current is None or not current.cancelling()):
-                # aclose() gave up on the operation; its caller was not cancelled
-                raise ClosedError("the context was closed while the operation was in "
-                                  "flight") from None
-            state.abandoned = True
-            raise
-        except ServerError as exc:  # errors from reply parsing name the server too
-            raise with_context(exc, server=self.url) from None
-
-    def track(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
-        """Keep a background task until it ends; close waits for all of them."""
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved, so an abandoned task's error is not reported lost
 
     def deadline(self, timeout: float | None) -> float:
         """Absolute deadline for a per-call ``timeout`` (None: the context default)."""

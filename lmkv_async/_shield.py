@@ -74,6 +74,7 @@ async def finish(work: Coroutine[Any, Any, T]) -> T:
         return await wait_finished(asyncio.ensure_future(work))
     with anyio.CancelScope(shield=True):
         return await work
+    raise AssertionError("unreachable: a shielded scope that nobody cancels")  # for mypy
 
 
 class Once:

@@ -6,24 +6,24 @@ Arguments are checked here, before any traffic; the server session lives in
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
 import torch
 
 from . import _ops, cuda, kernel
+from ._connect import Connecting, check_connect_args
 from ._session import Session, TransportMode
+from ._view_block import ViewBlock
 from .errors import InvalidInputError, TransportUnavailableError
 from .events import KVEventStream, require_kv_events
 from .fanout import ItemResult, run_bounded
 from .http import resolve_api_key
 from .layout import KVLayout
-from .memory import Region, RegionArg, output_pool
+from .memory import RegionArg, output_pool
 from .metrics import OpStats
 from .results import StoreResult
 from .transport import Transport
@@ -33,10 +33,8 @@ from .validate import (
     check_out,
     check_paged,
     check_salt,
-    check_timeout,
     check_tokens,
 )
-from .view import RetrieveView
 from .wire.dialect import Dialect
 
 __all__ = ["AsyncKVContext", "StoreResult", "TransportMode", "connect"]
@@ -124,17 +122,19 @@ class AsyncKVContext:
     async def aclose(self) -> None:
         """Finish in-flight release steps, unregister, and close everything.
 
-        Idempotent and bounded: operations still running get a few seconds
-        (:data:`lmkv_async._session.CLOSE_BUDGET`) to finish their release steps
-        before the registration is dropped, since unregistering with a
-        reservation outstanding would publish it (protocol reference §6.6). A
-        server that never answers cannot hold it longer; see
-        ``docs/operations.md`` for what may then remain on the server.
+        Idempotent, shielded and bounded. Operations still running get a few
+        seconds (:data:`lmkv_async._session.CLOSE_BUDGET`) to finish their release
+        steps before the registration is dropped, since unregistering with a
+        reservation outstanding would publish it (protocol reference §6.6); the
+        whole close takes at most :data:`lmkv_async._session.CLOSE_TOTAL` seconds
+        against a server that answers nothing. The caller's cancellation (an
+        anyio cancel scope, ``asyncio.timeout``, ``Task.cancel``) does not cut
+        the cleanup short: ``aclose()`` waits for it, then re-raises the
+        cancellation. A second call, concurrent or after a cancelled one, waits
+        for the same cleanup. See ``docs/operations.md`` for what may remain on
+        a server that never answered.
         """
-        if self._s.state in ("closing", "closed"):
-            return
-        self._s.state = "closing"
-        await self._s.teardown(unregister=True)
+        await self._s.shutdown(unregister=True)
 
     async def __aenter__(self) -> AsyncKVContext:
         return self
@@ -217,7 +217,7 @@ class AsyncKVContext:
         return result[0] if hit else None
 
     def retrieve_view(self, tokens: Tokens, *, cache_salt: str = "",
-                      timeout: float | None = None) -> _ViewBlock:
+                      timeout: float | None = None) -> ViewBlock:
         """Zero-copy read: ``async with ctx.retrieve_view(tokens) as view:``.
 
         Inside the block, ``view.tensors`` are read-only views of the server's
@@ -248,7 +248,7 @@ class AsyncKVContext:
             raise TransportUnavailableError(
                 "retrieve_view needs the server's SHM pool; this context uses inline data "
                 f"(transport {self._s.mode!r})")
-        return _ViewBlock(self, toks, salt, deadline)
+        return ViewBlock(self._s, self._stats, toks, salt, deadline)
 
     async def retrieve_blocks(
         self,
@@ -498,101 +498,6 @@ class AsyncKVContext:
         return await self._s.http.status()
 
 
-class _ViewBlock:
-    """``ctx.retrieve_view(...)``: an async context manager yielding a :class:`RetrieveView`."""
-
-    def __init__(self, ctx: AsyncKVContext, toks: list[int], salt: str,
-                 deadline: float) -> None:
-        self._ctx = ctx
-        self._toks = toks
-        self._salt = salt
-        self._deadline = deadline
-        self._hold: _ops.ViewHold | None = None
-        self._view: RetrieveView | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    async def __aenter__(self) -> RetrieveView:
-        if self._hold is not None:
-            raise InvalidInputError("a retrieve_view block cannot be entered twice")
-        s = self._ctx._s
-        C = s.chunk_size
-        n = len(self._toks) // C * C
-        layout = s.layout
-        pool = s.pool
-        if n == 0 or pool is None:
-            chunks: list[tuple[int, int]] = []
-            started = time.monotonic()
-        else:
-            with self._ctx._stats.measure("retrieve_view") as m:
-                self._hold, chunks = await _ops.open_view(s, self._toks, n, self._salt,
-                                                          self._deadline)
-                m.nbytes = len(chunks) * C * layout.token_bytes()
-            started = self._hold.started
-        view = RetrieveView(
-            chunks, chunk_size=C, chunk_shape=layout.chunk_shape(C), dtype=layout.dtype,
-            region=pool.region if pool is not None else Region(0, 0), started=started,
-            read_ttl=s.read_ttl)
-        self._view = view
-        if self._hold is not None:
-            # aclose() ends open views (and then unmaps the pool): the tensors must
-            # raise from then on, not touch unmapped memory
-            self._hold.on_end.append(lambda: view._close(
-                "the context was closed while the retrieve_view block was running"))
-        if chunks:
-            delay = max(0.0, view.safe_hold_s - view.held_s)
-            self._timer = asyncio.get_running_loop().call_later(delay, self._warn_long_hold)
-        return view
-
-    def _warn_long_hold(self) -> None:
-        view = self._view
-        if view is not None and not view.closed:
-            log.warning(
-                "a retrieve_view block has held the server's read locks for %.0f s, past "
-                "the safe hold of %.0f s (the server's read TTL is %.0f s): its tensors will "
-                "raise ViewClosedError once the TTL runs out", view.held_s, view.safe_hold_s,
-                view.read_ttl)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Synchronous on purpose: nothing here can be interrupted by a cancellation,
-        # and the release steps run in the hold's (tracked, shielded) task.
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._view is not None:
-            self._view._close("the retrieve_view block has ended: the server's read lock is "
-                              "released and the slot memory may be reused")
-        if self._hold is not None:
-            self._hold.release()
-
-
-class _Connecting:
-    """``connect(...)`` result: await it, or use it as ``async with``."""
-
-    def __init__(self, factory: Callable[[], Awaitable[AsyncKVContext]]) -> None:
-        self._factory = factory
-        self._ctx: AsyncKVContext | None = None
-
-    def __await__(self) -> Generator[Any, None, AsyncKVContext]:
-        return self._factory().__await__()
-
-    async def __aenter__(self) -> AsyncKVContext:
-        self._ctx = await self._factory()
-        return self._ctx
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._ctx is not None:
-            await self._ctx.aclose()
-
-
 def connect(
     url: str,
     http_url: str,
@@ -606,7 +511,7 @@ def connect(
     heartbeat_interval: float | None = None,
     prefault: bool = True,
     api_key: str | None = None,
-) -> _Connecting:
+) -> Connecting[AsyncKVContext]:
     """Connect to an LMCache MP server and register a context for ``model_name``.
 
     Use as ``async with connect(...) as ctx:`` or ``ctx = await connect(...)``
@@ -643,35 +548,10 @@ def connect(
         TransportUnavailableError: ``transport="shm"`` without usable SHM.
         ServerTimeoutError, ServerUnavailableError: the server did not answer.
     """
-    if not isinstance(url, str) or not url:
-        raise InvalidInputError("url must be a non-empty string")
-    if "://" not in url:
-        url = f"tcp://{url}"
-    if url.startswith(("grpc://", "grpc+unix://")):
-        raise InvalidInputError("gRPC endpoints are not supported yet; start the server with "
-                                "its default ZMQ transport and pass its tcp:// URL")
-    if not url.startswith(("tcp://", "ipc://")):
-        raise InvalidInputError(f"url must be a tcp:// or ipc:// ZMQ endpoint, got {url!r}")
-    if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
-        raise InvalidInputError(f"http_url must be an http(s) URL, got {http_url!r}")
-    if not isinstance(model_name, str) or not _MODEL_NAME.match(model_name):
-        raise InvalidInputError("model_name must be a non-empty string without '@'")
-    if layout is not None and not isinstance(layout, KVLayout):
-        raise InvalidInputError("layout must be a KVLayout or None")
-    if transport not in ("auto", "shm", "pickle"):
-        raise InvalidInputError(f"transport must be 'auto', 'shm' or 'pickle', got {transport!r}")
-    if isinstance(sockets, bool) or not isinstance(sockets, int) or sockets < 1:
-        raise InvalidInputError("sockets must be a positive int")
-    timeout = check_timeout(timeout, 10.0)
-    if heartbeat_interval is not None and (
-        isinstance(heartbeat_interval, bool)
-        or not isinstance(heartbeat_interval, (int, float))
-        or not heartbeat_interval >= 0
-    ):
-        raise InvalidInputError(
-            f"heartbeat_interval must be None, 0 (off) or a positive number of seconds, "
-            f"got {heartbeat_interval!r}"
-        )
+    args = check_connect_args(url, http_url, model_name, layout=layout, timeout=timeout,
+                              transport=transport, sockets=sockets,
+                              heartbeat_interval=heartbeat_interval)
+    url, timeout = args.url, args.timeout
     key = resolve_api_key(api_key)
 
     async def factory() -> AsyncKVContext:
@@ -683,4 +563,4 @@ def connect(
         await session.open()
         return AsyncKVContext(session)
 
-    return _Connecting(factory)
+    return Connecting(factory)

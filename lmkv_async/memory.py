@@ -28,6 +28,8 @@ from typing import Any, NamedTuple, TypeVar
 import anyio.to_thread
 import torch
 
+from ._shield import finish
+
 __all__ = [
     "INLINE_LIMIT",
     "MADV_HUGEPAGE",
@@ -94,11 +96,14 @@ async def offload(fn: Callable[..., T], *args: Any, nbytes: int, **kwargs: Any) 
     thread (the C kernel and pickling release the GIL for most of their work).
 
     The thread is not abandoned on cancellation: a copy writes into caller
-    memory, so the await only returns once the work has finished.
+    memory (or reads a slot whose read lock the caller releases next), so the
+    await only returns, or raises the cancellation, once the work has finished.
+    anyio's own wait holds against cancel scopes but not against asyncio's
+    ``Task.cancel``; :func:`._shield.finish` holds against both.
     """
     if nbytes < INLINE_LIMIT:
         return fn(*args, **kwargs)
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+    return await finish(anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs)))
 
 
 _HUGE = 2 << 20
