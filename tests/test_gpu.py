@@ -38,6 +38,7 @@ from test_hostile import COMMIT_RETRIEVE, PREP_RETRIEVE, FakeLMCache, open_ctx
 
 import lmkv_async as lmkv
 import lmkv_async._session as lmkv_session
+from lmkv_async import _cuda_transfers as gpu_transfers
 from lmkv_async import cuda as lmkv_cuda
 from lmkv_async import kernel
 from lmkv_async.shm import PoolMapping
@@ -203,7 +204,7 @@ async def test_staging_fallback_is_visible_and_exact(fake: FakeLMCache,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("LMKV_CUDA_REGISTER", "0")
-    monkeypatch.setattr(lmkv_cuda, "STAGING_BUFFERS", 2)  # wrap the ring
+    monkeypatch.setattr(gpu_transfers, "STAGING_BUFFERS", 2)  # wrap the ring
     caplog.set_level(logging.WARNING, "lmkv_async.cuda")
     async with open_ctx(fake) as ctx:
         toks = tokens_for(5 * C, seed=7)
@@ -234,7 +235,7 @@ async def test_inline_server_with_cuda_tensors(fake_factory: Callable[..., FakeL
 async def test_cancel_waits_for_queued_copies_before_commit(
         fake: FakeLMCache, monkeypatch: pytest.MonkeyPatch) -> None:
     done_at: list[float] = []
-    real_wait = lmkv_cuda.wait_event
+    real_wait = gpu_transfers.wait_event
 
     async def slow_wait(ev: torch.cuda.Event, nbytes: int, rate: float,
                         started: float | None = None) -> None:
@@ -252,7 +253,7 @@ async def test_cancel_waits_for_queued_copies_before_commit(
 
     async with open_ctx(fake) as ctx:
         toks, kv = await seeded(ctx, 2, seed=9)
-        monkeypatch.setattr(lmkv_cuda, "wait_event", slow_wait)
+        monkeypatch.setattr(gpu_transfers, "wait_event", slow_wait)
         monkeypatch.setattr(lmkv_cuda.GpuTransfers, "_enqueue", slow_enqueue)
         out = torch.zeros(kv.shape, device=DEV)
         task = asyncio.create_task(ctx.retrieve(toks, out=out))
@@ -275,7 +276,7 @@ async def test_cancelled_operation_task_waits_for_its_copies(
     """What aclose() does to an operation it gave up on: cancel the operation's own task,
     here while the worker is still queueing copies. The release steps wait for them."""
     done_at: list[float] = []
-    real_wait = lmkv_cuda.wait_event
+    real_wait = gpu_transfers.wait_event
 
     async def timed_wait(ev: torch.cuda.Event, nbytes: int, rate: float,
                          started: float | None = None) -> None:
@@ -294,7 +295,7 @@ async def test_cancelled_operation_task_waits_for_its_copies(
 
     async with open_ctx(fake) as ctx:
         toks, kv = await seeded(ctx, 2, seed=19)
-        monkeypatch.setattr(lmkv_cuda, "wait_event", timed_wait)
+        monkeypatch.setattr(gpu_transfers, "wait_event", timed_wait)
         monkeypatch.setattr(lmkv_cuda.GpuTransfers, "_enqueue", slow_enqueue)
         out = torch.zeros(kv.shape, device=DEV)
         caller = asyncio.create_task(ctx.retrieve(toks, out=out))
