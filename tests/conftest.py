@@ -17,6 +17,8 @@ environments; see ``servers.py``):
   CPU registration script against ``server`` until the test ends; returns a
   ``servers.Registration``.
 * ``server_pool`` -- the session's :class:`servers.ServerPool`.
+* ``fake_factory(**kwargs)``, ``fake``, ``short_cleanup`` -- a fake lmcache server
+  that misbehaves on demand (``fake_lmcache.py``, loaded as a plugin).
 
 Async tests use anyio's pytest plugin: ``@pytest.mark.anyio`` (backend: asyncio).
 
@@ -56,6 +58,10 @@ import lmkv_async  # noqa: E402
 from lmkv_async.testing import LocalServer, find_server_python  # noqa: E402
 
 _REPO = _HERE.parent
+
+#: The fake lmcache server's fixtures (``fake_factory``, ``fake``, ``short_cleanup``) and
+#: the hook that fails a test on a problem of its fake: see ``fake_lmcache.py``.
+pytest_plugins = ["fake_lmcache"]
 
 
 def _installed_check() -> str | None:
