@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmark runners: machine facts, the loop-lag ticker, the
-lmcache-driven registration (with its stdout pump), summaries.
+"""Helpers shared by the benchmark runners: machine facts, the loop-lag ticker, summaries.
+(The lmcache-driven registration is :func:`lmkv_async.testing.registered_engine`.)
 
 Runners import it as ``from _common import ...`` (it sits next to them) before they
 import ``lmkv_async``: importing it puts the source tree on ``sys.path`` when
@@ -9,17 +9,12 @@ import ``lmkv_async``: importing it puts the source tree on ``sys.path`` when
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import math
 import platform
-import queue
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,9 +28,7 @@ except ImportError:  # a source checkout
 import torch  # noqa: E402
 
 import lmkv_async as lmkv  # noqa: E402
-from lmkv_async.testing import LocalServer, server_env, unlink_engine_segments  # noqa: E402
 
-REGISTER_SCRIPT = ROOT / "tests" / "server_scripts" / "register_cpu_engine.py"
 SDK_PEER = ROOT / "benchmarks" / "sdk_peer.py"
 
 # The store/retrieve geometry of bench_e2e and bench_small (an 8B-class model):
@@ -55,7 +48,6 @@ __all__ = [
     "HS",
     "LAYOUT",
     "NH",
-    "REGISTER_SCRIPT",
     "ROOT",
     "SDK_PEER",
     "TOKEN_BYTES",
@@ -66,7 +58,6 @@ __all__ = [
     "LoopTicker",
     "cpu_model",
     "drain",
-    "registered_engine",
     "summarize",
 ]
 
@@ -144,71 +135,3 @@ class LoopTicker:
     def max_gap(self) -> float:
         """The largest gap seen, in seconds (0 if none)."""
         return max(self.gaps, default=0.0)
-
-
-# ----------------------------------------------------------------------------- registration
-@contextlib.contextmanager
-def registered_engine(
-    server: LocalServer,
-    log_dir: Path,
-    *,
-    model: str,
-    geometry: tuple[int, int, int, int],
-) -> Iterator[dict[str, Any]]:
-    """lmcache-driven CPU registration of a geometry ``(L, NH, HS, BS)``, bf16 (what the
-    SDK needs to discover its layout).
-
-    Same as ``tests/servers.py::registered_engine`` (which needs pytest): runs
-    ``tests/server_scripts/register_cpu_engine.py`` with the server's Python,
-    waits for ``READY``, and on exit closes its stdin so it unregisters.
-    """
-    log_path = log_dir / f"register-{server.zmq_port}.log"
-    layers, heads, head_dim, block = geometry
-    argv = [
-        server.config.python, str(REGISTER_SCRIPT), "--url", server.url, "--model", model,
-        "--num-layers", str(layers), "--num-kv-heads", str(heads), "--head-dim", str(head_dim),
-        "--block-size", str(block), "--num-blocks", "16", "--dtype", "bfloat16",
-        "--heartbeat-interval", "5",
-    ]  # fmt: skip
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=logf, env=server_env())
-    unlink_engine_segments(proc.pid)  # stale ones of an earlier holder of this pid
-    lines: queue.Queue[bytes | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline = time.monotonic() + 120
-        info: dict[str, Any] | None = None
-        while info is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            text = line.decode("utf-8", "replace").strip()
-            if text.startswith("READY "):
-                info = json.loads(text[len("READY "):])
-        if info is None:
-            tail = log_path.read_text("utf-8", "replace")[-3000:]
-            raise RuntimeError(f"register_cpu_engine.py did not print READY:\n{tail}")
-        yield info
-    finally:
-        if proc.poll() is None and proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        unlink_engine_segments(proc.pid)
-
-

@@ -98,7 +98,6 @@ from _common import (  # noqa: E402  (same directory)
     LoopTicker,
     cpu_model,
     drain,
-    registered_engine,
     summarize,
 )
 
@@ -109,6 +108,7 @@ from lmkv_async.testing import (  # noqa: E402
     LocalServer,
     ServerConfig,
     find_server_python,
+    registered_engine,
     server_env,
 )
 
@@ -1066,8 +1066,9 @@ def main() -> int:
     try:
         srv.start()
         log(f"server {srv.reported_version} pid {srv.pid} started in {srv.start_seconds:.1f}s")
-        with registered_engine(srv, bench.tmp, model=MODEL, geometry=(L, NH, HS, BS)) as reg:
-            log(f"registered lmcache-driven engine (pid {reg['pid']})")
+        with registered_engine(srv, model=MODEL, num_layers=L, num_kv_heads=NH, head_dim=HS,
+                               block_size=BS, num_blocks=16, log_dir=bench.tmp) as reg:
+            log(f"registered lmcache-driven engine (pid {reg.proc.pid})")
             asyncio.run(bench.run_main(sections))
     finally:
         srv.stop()

@@ -39,15 +39,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+import torch
+from _common import ROOT  # (same directory; it puts a checkout on sys.path)
 
-import torch  # noqa: E402
-from _common import registered_engine  # noqa: E402  (same directory)
-
-import lmkv_async as lmkv  # noqa: E402
-from lmkv_async.testing import LocalServer, ServerConfig, find_server_python, server_env  # noqa: E402
-from lmkv_async.testing.coordinator import LocalCoordinator  # noqa: E402
-from lmkv_async.wire.hashing import HAVE_NATIVE_BLAKE3  # noqa: E402
+import lmkv_async as lmkv
+from lmkv_async.testing import (
+    LocalServer,
+    ServerConfig,
+    find_server_python,
+    registered_engine,
+    server_env,
+)
+from lmkv_async.testing.coordinator import LocalCoordinator
+from lmkv_async.wire.hashing import HAVE_NATIVE_BLAKE3
 
 VERSION = "0.5.7rc2"
 GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}
@@ -159,8 +163,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 srv = LocalServer(cfg, log_path=tmp / f"s{i}.log")
                 srv.start()
                 servers.append(srv)
-                stack.enter_context(registered_engine(srv, tmp, model=MODEL,
-                                                      geometry=(2, 2, 64, 16)))
+                stack.enter_context(registered_engine(srv, model=MODEL, num_blocks=16,
+                                                      log_dir=tmp))
             rng = random.Random(args.seed)
             prompts = [rng.choices(range(150_000), k=k * C + 17) for k in (4, 3, 2, 1) * 2]
             misses = [rng.choices(range(150_000), k=2 * C) for _ in range(4)]

@@ -12,7 +12,7 @@ pinned copies of the same bytes measured in the same run.
 * the same through the pinned staging ring (``LMKV_CUDA_REGISTER=0``), and
   ``retrieve_blocks`` into paged GPU caches, for information.
 
-The server is ``tests/test_hostile.FakeLMCache`` (a ZMQ + HTTP server in a thread of
+The server is ``tests/fake_lmcache.FakeLMCache`` (a ZMQ + HTTP server in a thread of
 this process that keeps chunk objects in a real POSIX SHM segment in lmcache 0.5.6's
 slot layout), because the GPU machine this runs on has no lmcache server; the RPCs it
 answers cost about what a local server's do, minus the server's own work.
@@ -167,7 +167,7 @@ async def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured")
         return 0
-    import test_hostile as th
+    import fake_lmcache as fl
 
     layout = lmkv.KVLayout(num_layers=L, num_kv_heads=NH, head_dim=HS, dtype=torch.float32,
                            block_size=BS)
@@ -187,9 +187,9 @@ async def main() -> int:
         server_name = f"lmcache 0.5.6 ({fake.url})"
     else:
         # the fake's slot size and descriptor shape are module constants of its layout
-        th.SLOT, th.SHAPE, th.GUARD = chunk, (2, L, C, NH * HS), chunk
-        fake = th.FakeLMCache(pool_size=(chunks + 2) * chunk).start()
-        server_name = ("tests/test_hostile.FakeLMCache (real SHM segment, lmcache 0.5.6 "
+        fl.SLOT, fl.SHAPE, fl.GUARD = chunk, (2, L, C, NH * HS), chunk
+        fake = fl.FakeLMCache(pool_size=(chunks + 2) * chunk).start()
+        server_name = ("tests/fake_lmcache.FakeLMCache (real SHM segment, lmcache 0.5.6 "
                        "slot layout)")
     try:
         toks = list(range(1, chunks * C + 1))

@@ -75,7 +75,6 @@ from _common import (  # noqa: E402  (same directory)
     LoopTicker,
     cpu_model,
     drain,
-    registered_engine,
     summarize,
 )
 
@@ -85,6 +84,7 @@ from lmkv_async.testing import (  # noqa: E402
     LocalServer,
     ServerConfig,
     find_server_python,
+    registered_engine,
     server_env,
 )
 from lmkv_async.wire import requests  # noqa: E402
@@ -740,7 +740,8 @@ def main() -> int:
     bench.srv = srv
     try:
         srv.start()
-        with registered_engine(srv, bench.tmp, model=MODEL, geometry=(L, NH, HS, BS)):
+        with registered_engine(srv, model=MODEL, num_layers=L, num_kv_heads=NH, head_dim=HS,
+                               block_size=BS, num_blocks=16, log_dir=bench.tmp):
             asyncio.run(bench.run(sections))
     finally:
         srv.stop()

@@ -23,16 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+import torch
+from _common import ROOT  # (same directory; it puts a checkout on sys.path)
 
-import torch  # noqa: E402
-from _common import registered_engine  # noqa: E402  (same directory)
-
-import lmkv_async as lmkv  # noqa: E402
-from lmkv_async.testing import (  # noqa: E402
+import lmkv_async as lmkv
+from lmkv_async.testing import (
     LocalServer,
     ServerConfig,
     find_server_python,
+    registered_engine,
     server_env,
 )
 
@@ -125,7 +124,7 @@ async def main() -> int:
         return 2
     cfg = ServerConfig(version="0.5.6", python=python, shm=True, l1_size_gb=6.0)
     with (tempfile.TemporaryDirectory() as tmp, LocalServer(cfg) as server,
-          registered_engine(server, Path(tmp), model=MODEL, geometry=(2, 2, 64, 16))):
+          registered_engine(server, model=MODEL, num_blocks=16, log_dir=Path(tmp))):
         mine = await lmkv_soak(server, ops, 64)
         sdk = [sdk_soak(server, ops, threads) for threads in (1, 8)]
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

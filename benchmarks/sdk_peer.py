@@ -4,8 +4,8 @@ Runs INSIDE the lmcache 0.5.6 server environment (it imports ``lmcache``; the
 ``lmkv_async`` library never does), with nothing beyond what that env has.
 
 Preconditions on the server: ``--supported-transfer-mode auto`` and an
-lmcache-driven registration for ``model`` (``tests/server_scripts/
-register_cpu_engine.py``), because the SDK discovers its layout from
+lmcache-driven registration for ``model``
+(``lmkv_async.testing.registered_engine``), because the SDK discovers its layout from
 ``/status`` -> ``cache_context_meta``.
 
 Input: one JSON job, as ``argv[1]`` (a JSON string or ``@path``) or on stdin::

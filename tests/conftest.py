@@ -13,10 +13,13 @@ environments; see ``servers.py``):
   between tests with an identical configuration unless ``private=True``; a
   private server belongs to the test (kill/freeze/restart it freely) and is
   stopped when the test ends.
-* ``register_engine(server, model=..., **geometry)`` -- runs the lmcache-driven
-  CPU registration script against ``server`` until the test ends; returns a
-  ``servers.Registration``.
+* ``register_engine(server, model=..., **geometry)`` -- an lmcache-driven CPU
+  registration with ``server`` until the test ends
+  (:func:`lmkv_async.testing.registered_engine`); returns its
+  :class:`~lmkv_async.testing.EngineRegistration`.
 * ``server_pool`` -- the session's :class:`servers.ServerPool`.
+* ``fake_factory(**kwargs)``, ``fake``, ``short_cleanup`` -- a fake lmcache server
+  that misbehaves on demand (``fake_lmcache.py``, loaded as a plugin).
 
 Async tests use anyio's pytest plugin: ``@pytest.mark.anyio`` (backend: asyncio).
 
@@ -46,16 +49,23 @@ if str(_HERE) not in sys.path:
 from servers import (  # noqa: E402
     SERVER_IDS,
     VERSIONS,
-    Registration,
     ServerPool,
     ServerSpec,
-    registered_engine,
 )
 
 import lmkv_async  # noqa: E402
-from lmkv_async.testing import LocalServer, find_server_python  # noqa: E402
+from lmkv_async.testing import (  # noqa: E402
+    EngineRegistration,
+    LocalServer,
+    find_server_python,
+    registered_engine,
+)
 
 _REPO = _HERE.parent
+
+#: The fake lmcache server's fixtures (``fake_factory``, ``fake``, ``short_cleanup``) and
+#: the hook that fails a test on a problem of its fake: see ``fake_lmcache.py``.
+pytest_plugins = ["fake_lmcache"]
 
 
 def _installed_check() -> str | None:
@@ -168,15 +178,16 @@ def server_factory(server_pool: ServerPool) -> Iterator[Callable[..., LocalServe
 
 
 @pytest.fixture
-def register_engine() -> Iterator[Callable[..., Registration]]:
-    """``register_engine(server, model=..., num_layers=2, ...)``: lmcache-driven registration.
+def register_engine() -> Iterator[Callable[..., EngineRegistration]]:
+    """``register_engine(server, model=..., num_layers=2, ...)``: lmcache-driven registration
+    (:func:`lmkv_async.testing.registered_engine`).
 
     The registration lives until the test ends (or until the caller stops it
     with ``reg.proc.stdin.close()``).
     """
     with contextlib.ExitStack() as stack:
 
-        def register(server: LocalServer, **kwargs: Any) -> Registration:
+        def register(server: LocalServer, **kwargs: Any) -> EngineRegistration:
             return stack.enter_context(registered_engine(server, **kwargs))
 
         yield register

@@ -1,4 +1,4 @@
-"""Real lmcache servers for the test suite: a lazily started pool, registration, leak checks.
+"""Real lmcache servers for the test suite: a lazily started pool and leak checks.
 
 Import from test modules as ``from servers import ...`` (``conftest.py`` puts
 this directory on ``sys.path``; the suite runs with ``--import-mode=importlib``
@@ -6,9 +6,6 @@ against the installed ``lmkv_async``).
 
 * :class:`ServerPool` starts servers on first use, shares identical
   configurations across tests, and caps how many run at once (2 cores).
-* :func:`registered_engine` runs ``server_scripts/register_cpu_engine.py`` with
-  the server's own Python (lmcache-driven CPU registration, what the official
-  SDK needs to discover a layout) and yields once it printed ``READY``.
 * :func:`assert_no_leaks` checks ``/status`` for sessions, locks and
   engine-driven registrations left behind (blocking; for sync tests).
 * :func:`assert_quiescent` does the same from async code, for a server or for
@@ -27,13 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import queue
-import subprocess
-import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,12 +40,7 @@ from lmkv_async.testing import (
     ServerConfig,
     env_var_for,
     find_server_python,
-    server_env,
-    unlink_engine_segments,
 )
-
-HERE = Path(__file__).resolve().parent
-REGISTER_SCRIPT = HERE / "server_scripts" / "register_cpu_engine.py"
 
 VERSIONS = ("0.5.2", "0.5.6", "0.5.7rc2")
 #: ids of the parametrized ``server`` fixture
@@ -217,135 +205,6 @@ class ServerPool:
             self.stop(spec)
         for server in list(self._private):
             self.stop_private(server)
-
-
-# --------------------------------------------------------------------------- registration
-
-
-@dataclass
-class Registration:
-    """A running ``register_cpu_engine.py`` process and what it reported."""
-
-    info: dict[str, Any]
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def instance_ids(self) -> list[int]:
-        """lmcache-driven instance ids (``registered_gpu_ids`` on the server)."""
-        return [int(i) for i in self.info["instance_ids"]]
-
-
-def _read_ready(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any] | None:
-    """Wait for the ``READY <json>`` line on the child's stdout."""
-    lines: queue.Queue[bytes | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, name="register-stdout", daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            return None
-        if line is None:
-            return None
-        text = line.decode("utf-8", "replace").strip()
-        if text.startswith("READY "):
-            info: dict[str, Any] = json.loads(text[len("READY ") :])
-            return info
-
-
-def _stop_registration(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None and proc.stdin is not None:
-        with contextlib.suppress(OSError):
-            proc.stdin.close()  # EOF: the script unregisters and exits
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
-    # The script unlinks its /dev/shm/lmcache_kv_<pid>_<n> segments; if it was
-    # killed they would stay, so sweep them (this pid only).
-    unlink_engine_segments(proc.pid)
-
-
-@contextlib.contextmanager
-def registered_engine(
-    server: LocalServer,
-    *,
-    model: str,
-    num_layers: int = 2,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    block_size: int = 16,
-    num_blocks: int = 64,
-    dtype: str = "bfloat16",
-    world_size: int = 1,
-    fill: str = "zeros",
-    heartbeat_interval: float = 5.0,
-    log_dir: Path | None = None,
-    timeout: float = 120.0,
-) -> Iterator[Registration]:
-    """Register CPU HND caches with ``server`` (lmcache-driven) for the ``with`` body.
-
-    Runs ``register_cpu_engine.py`` with the server's interpreter, waits for
-    ``READY``, and on exit closes its stdin (it unregisters and exits) and
-    reaps it. The server must run ``--supported-transfer-mode auto`` or
-    ``lmcache_driven``.
-    """
-    log_path = (log_dir or server.log_path.parent) / (
-        f"register-{model}-{server.zmq_port}-{time.monotonic_ns()}.log"
-    )
-    argv = [
-        server.config.python,
-        str(REGISTER_SCRIPT),
-        "--url", server.url,
-        "--model", model,
-        "--num-layers", str(num_layers),
-        "--num-kv-heads", str(num_kv_heads),
-        "--head-dim", str(head_dim),
-        "--block-size", str(block_size),
-        "--num-blocks", str(num_blocks),
-        "--dtype", dtype,
-        "--world-size", str(world_size),
-        "--fill", fill,
-        "--heartbeat-interval", str(heartbeat_interval),
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env=server_env(),
-        )
-    # lmcache names the segments after the pid, and creates them with O_EXCL: one left
-    # by an earlier process that had this pid (killed before it cleaned up) made the
-    # helper fail with FileExistsError. The helper is still importing torch here, so
-    # whatever carries its pid now is stale.
-    unlink_engine_segments(proc.pid)
-    try:
-        info = _read_ready(proc, timeout)
-        if info is None:
-            proc.kill()
-            proc.wait(timeout=30)
-            tail = "\n".join(log_path.read_text("utf-8", "replace").splitlines()[-30:])
-            raise AssertionError(
-                f"register_cpu_engine.py did not print READY (rc={proc.returncode}) "
-                f"against {server!r}\nlog {log_path}:\n{tail}"
-            )
-        yield Registration(info=info, proc=proc, log_path=log_path)
-    finally:
-        _stop_registration(proc)
 
 
 # --------------------------------------------------------------------------- leak checks

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
 from lmkv_async.testing import LocalServer, server_env
+from lmkv_async.testing.engine import REGISTER_SCRIPT
 
 STORE_SCRIPT = Path(__file__).resolve().parent / "server_scripts" / "lmcache_store.py"
 
@@ -28,11 +30,20 @@ class LmcacheStorer:
             [server.config.python, str(STORE_SCRIPT), "--url", server.url, "--model", model,
              "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "64",
              "--block-size", "16", "--num-blocks", "256"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=server_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=self._env(),
             text=True)
         line = self._line(120)
         assert line.startswith("READY "), line
         self.instance_id = int(json.loads(line[6:])["instance_id"])
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        # The script reuses register_cpu_engine's helpers: that script ships with
+        # lmkv_async.testing, so its folder goes on the child's path.
+        env = server_env()
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REGISTER_SCRIPT.parent), env.get("PYTHONPATH")]))
+        return env
 
     def _line(self, timeout: float) -> str:
         assert self.proc.stdout is not None

@@ -4,9 +4,9 @@ Marked ``gpu`` and skipped at collection on machines without CUDA, so CPU CI
 reports one skipped module, never passing tests; ``nox -s gpu`` runs them on a
 CUDA machine.
 
-The server is ``test_hostile.FakeLMCache``: a real ZMQ ROUTER + HTTP server
-that keeps chunk objects in a real POSIX SHM segment in the layout lmcache
-0.5.6 uses (C-order ``[2, L, C, D]`` objects at slot offsets, protocol
+The server is ``fake_lmcache.FakeLMCache`` (its ``fake`` fixture): a real ZMQ
+ROUTER + HTTP server that keeps chunk objects in a real POSIX SHM segment in the
+layout lmcache 0.5.6 uses (C-order ``[2, L, C, D]`` objects at slot offsets, protocol
 reference §6.3). A real lmcache server is used by
 ``test_real_server_round_trip`` where a server environment exists
 (``LMKV_LMCACHE_PYTHON_056``) and the machine has CUDA.
@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing import shared_memory
 from types import SimpleNamespace
 from typing import Any
@@ -32,47 +32,22 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device: run `nox -s gpu` (or pytest -m gpu) on a GPU machine",
                 allow_module_level=True)
 
-import test_hostile as th
+import fake_lmcache as fl
+from fake_lmcache import COMMIT_RETRIEVE, PREP_RETRIEVE, FakeLMCache, open_ctx
 from test_context import random_kv, same_bits, tokens_for
-from test_hostile import COMMIT_RETRIEVE, PREP_RETRIEVE, FakeLMCache, open_ctx
 
 import lmkv_async as lmkv
-import lmkv_async._session as lmkv_session
+from lmkv_async import _cuda_transfers as gpu_transfers
 from lmkv_async import cuda as lmkv_cuda
 from lmkv_async import kernel
 from lmkv_async.shm import PoolMapping
 from lmkv_async.testing import find_server_python
 
-pytestmark = [pytest.mark.gpu, pytest.mark.anyio]
+pytestmark = [pytest.mark.gpu, pytest.mark.anyio, pytest.mark.usefixtures("short_cleanup")]
 
-C = th.C
-LAYOUT = th.LAYOUT
+C = fl.C
+LAYOUT = fl.LAYOUT
 DEV = torch.device("cuda", 0)
-
-
-@pytest.fixture(autouse=True)
-def _short_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lmkv_session, "CLEANUP_TIMEOUT", th.CLEANUP)
-
-
-@pytest.fixture
-def fake_factory() -> Iterator[Callable[..., FakeLMCache]]:
-    fakes: list[FakeLMCache] = []
-
-    def make(**kwargs: Any) -> FakeLMCache:
-        fakes.append(FakeLMCache(**kwargs).start())
-        return fakes[-1]
-
-    try:
-        yield make
-    finally:
-        for f in fakes:
-            f.stop()
-
-
-@pytest.fixture
-def fake(fake_factory: Callable[..., FakeLMCache]) -> FakeLMCache:
-    return fake_factory()
 
 
 def gpu_bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -101,7 +76,7 @@ async def test_retrieve_into_cuda_out_is_bit_exact(fake: FakeLMCache) -> None:
         assert bool((out[:, :, 3 * C:] == -7.0).all()), "wrote past the hit"
         snap = ctx.stats()["gpu"]
         assert snap["path"] == "registered" and snap["fallback_reason"] is None
-        assert snap["registered_bytes"] == th.POOL and snap["bytes_h2d"] == 3 * th.SLOT
+        assert snap["registered_bytes"] == fl.POOL and snap["bytes_h2d"] == 3 * fl.SLOT
         # a miss leaves out untouched and returns None
         out.fill_(-7.0)
         assert await ctx.retrieve(tokens_for(C, seed=99), out=out) is None
@@ -114,11 +89,11 @@ async def test_store_from_cuda_is_bit_exact(fake: FakeLMCache) -> None:
         kv = random_kv(LAYOUT, len(toks), seed=2)
         res = await ctx.store(kv.to(DEV), toks)
         assert (res.total_chunks, res.written_chunks, res.ignored_tokens) == (2, 2, 5)
-        assert same_bits(fake.read_slot(th.GUARD), kv[:, :, :C])
-        assert same_bits(fake.read_slot(th.GUARD + th.SLOT), kv[:, :, C:2 * C])
+        assert same_bits(fake.read_slot(fl.GUARD), kv[:, :, :C])
+        assert same_bits(fake.read_slot(fl.GUARD + fl.SLOT), kv[:, :, C:2 * C])
         back = await ctx.retrieve(toks)  # CPU path reads what the GPU path wrote
         assert back is not None and same_bits(back, kv[:, :, :2 * C])
-        assert ctx.stats()["gpu"]["bytes_d2h"] == 2 * th.SLOT
+        assert ctx.stats()["gpu"]["bytes_d2h"] == 2 * fl.SLOT
 
 
 async def test_store_sees_work_queued_on_the_callers_stream(fake: FakeLMCache) -> None:
@@ -184,7 +159,7 @@ async def test_paged_gpu_round_trip(fake: FakeLMCache) -> None:
             c.copy_(cc)
         toks = tokens_for(n, seed=6)
         assert (await ctx.store_blocks(src, src_ids, toks)).written_chunks == 2
-        assert same_bits(fake.read_slot(th.GUARD), kv[:, :, :C])
+        assert same_bits(fake.read_slot(fl.GUARD), kv[:, :, :C])
         dst_ids = list(reversed(range(3, 3 + nblk)))
         dst = _caches(nblk + 5, fill=-1.0)
         assert await ctx.retrieve_blocks(toks, dst, dst_ids) == n
@@ -203,7 +178,7 @@ async def test_staging_fallback_is_visible_and_exact(fake: FakeLMCache,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("LMKV_CUDA_REGISTER", "0")
-    monkeypatch.setattr(lmkv_cuda, "STAGING_BUFFERS", 2)  # wrap the ring
+    monkeypatch.setattr(gpu_transfers, "STAGING_BUFFERS", 2)  # wrap the ring
     caplog.set_level(logging.WARNING, "lmkv_async.cuda")
     async with open_ctx(fake) as ctx:
         toks = tokens_for(5 * C, seed=7)
@@ -234,7 +209,7 @@ async def test_inline_server_with_cuda_tensors(fake_factory: Callable[..., FakeL
 async def test_cancel_waits_for_queued_copies_before_commit(
         fake: FakeLMCache, monkeypatch: pytest.MonkeyPatch) -> None:
     done_at: list[float] = []
-    real_wait = lmkv_cuda.wait_event
+    real_wait = gpu_transfers.wait_event
 
     async def slow_wait(ev: torch.cuda.Event, nbytes: int, rate: float,
                         started: float | None = None) -> None:
@@ -252,7 +227,7 @@ async def test_cancel_waits_for_queued_copies_before_commit(
 
     async with open_ctx(fake) as ctx:
         toks, kv = await seeded(ctx, 2, seed=9)
-        monkeypatch.setattr(lmkv_cuda, "wait_event", slow_wait)
+        monkeypatch.setattr(gpu_transfers, "wait_event", slow_wait)
         monkeypatch.setattr(lmkv_cuda.GpuTransfers, "_enqueue", slow_enqueue)
         out = torch.zeros(kv.shape, device=DEV)
         task = asyncio.create_task(ctx.retrieve(toks, out=out))
@@ -263,7 +238,7 @@ async def test_cancel_waits_for_queued_copies_before_commit(
         with pytest.raises(asyncio.CancelledError):
             await task
         rid = fake.last_rid("retrieve")
-        await fake.wait_ops(rid, [th.LOOKUP, th.QUERY, PREP_RETRIEVE, COMMIT_RETRIEVE, th.END])
+        await fake.wait_ops(rid, [fl.LOOKUP, fl.QUERY, PREP_RETRIEVE, COMMIT_RETRIEVE, fl.END])
         commit = next(r for r in fake.requests() if r.rid == rid and r.op == COMMIT_RETRIEVE)
         assert done_at and commit.t >= done_at[0], "read lock released before the copy ended"
         torch.cuda.synchronize()
@@ -275,7 +250,7 @@ async def test_cancelled_operation_task_waits_for_its_copies(
     """What aclose() does to an operation it gave up on: cancel the operation's own task,
     here while the worker is still queueing copies. The release steps wait for them."""
     done_at: list[float] = []
-    real_wait = lmkv_cuda.wait_event
+    real_wait = gpu_transfers.wait_event
 
     async def timed_wait(ev: torch.cuda.Event, nbytes: int, rate: float,
                          started: float | None = None) -> None:
@@ -294,7 +269,7 @@ async def test_cancelled_operation_task_waits_for_its_copies(
 
     async with open_ctx(fake) as ctx:
         toks, kv = await seeded(ctx, 2, seed=19)
-        monkeypatch.setattr(lmkv_cuda, "wait_event", timed_wait)
+        monkeypatch.setattr(gpu_transfers, "wait_event", timed_wait)
         monkeypatch.setattr(lmkv_cuda.GpuTransfers, "_enqueue", slow_enqueue)
         out = torch.zeros(kv.shape, device=DEV)
         caller = asyncio.create_task(ctx.retrieve(toks, out=out))
@@ -307,7 +282,7 @@ async def test_cancelled_operation_task_waits_for_its_copies(
         with pytest.raises((asyncio.CancelledError, lmkv.ClosedError)):
             await caller
         rid = fake.last_rid("retrieve")
-        await fake.wait_ops(rid, [th.LOOKUP, th.QUERY, PREP_RETRIEVE, COMMIT_RETRIEVE, th.END])
+        await fake.wait_ops(rid, [fl.LOOKUP, fl.QUERY, PREP_RETRIEVE, COMMIT_RETRIEVE, fl.END])
         commit = next(r for r in fake.requests() if r.rid == rid and r.op == COMMIT_RETRIEVE)
         assert done_at and commit.t >= done_at[0], "read lock released before the copy ended"
         assert gpu_bits_equal(out, kv)
@@ -340,21 +315,21 @@ async def test_registration_lifecycle_on_a_pool_file(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(lmkv_cuda.HostRegistration, "register", reg)
     monkeypatch.setattr(lmkv_cuda.HostRegistration, "unregister", unreg)
-    seg = _pool_file(8 * th.SLOT)
+    seg = _pool_file(8 * fl.SLOT)
     try:
         kv = random_kv(LAYOUT, 2 * C, seed=11)
         pool = PoolMapping(seg.name, seg.size)
         # chunk objects at 4 KiB-aligned slot offsets, C-order [2, L, C, D]
-        offsets = [5 * th.SLOT, th.SLOT]
+        offsets = [5 * fl.SLOT, fl.SLOT]
         for i, off in enumerate(offsets):
             chunk = kv[:, :, i * C:(i + 1) * C].contiguous()
-            seg.buf[off:off + th.SLOT] = ctypes.string_at(chunk.data_ptr(), th.SLOT)
+            seg.buf[off:off + fl.SLOT] = ctypes.string_at(chunk.data_ptr(), fl.SLOT)
         session = SimpleNamespace(pool=pool, _retired_pools=[], gpu=None)
         result: list[torch.Tensor] = []
         out = torch.empty(kv.shape, device=DEV)
         sink = lmkv_cuda.dense_sink(session, out, C, result)
         chunks = [(i, pool.address + off) for i, off in enumerate(offsets)]
-        await sink.run(2, chunks, pool.region, nbytes=2 * th.SLOT)
+        await sink.run(2, chunks, pool.region, nbytes=2 * fl.SLOT)
         assert gpu_bits_equal(result[0], kv)
         await lmkv_cuda.dense_sink(session, out, C, []).run(2, chunks, pool.region, nbytes=0)
         assert calls == [f"register {pool.address:#x}"], "registered more than once"
@@ -405,7 +380,7 @@ async def test_close_unregisters_before_unmapping(fake: FakeLMCache,
 async def test_event_loop_keeps_ticking_during_a_large_transfer(
         fake_factory: Callable[..., FakeLMCache], monkeypatch: pytest.MonkeyPatch) -> None:
     slots = 64
-    fake = fake_factory(pool_size=th.GUARD + slots * th.SLOT)
+    fake = fake_factory(pool_size=fl.GUARD + slots * fl.SLOT)
     async with open_ctx(fake) as ctx:
         toks, kv = await seeded(ctx, slots, seed=13)
         out = torch.empty(kv.shape, device=DEV)
@@ -430,7 +405,7 @@ async def test_event_loop_keeps_ticking_during_a_large_transfer(
         stop = True
         await ticker
         assert gpu_bits_equal(out, kv)
-        assert max(gaps) < 0.005 + th.SLACK / 10, f"loop stalled {max(gaps) * 1e3:.1f} ms"
+        assert max(gaps) < 0.005 + fl.SLACK / 10, f"loop stalled {max(gaps) * 1e3:.1f} ms"
 
 
 # ----------------------------------------------------------------------------- real server

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from servers import Registration, assert_no_leaks
+from servers import assert_no_leaks
 from test_context import random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
-from lmkv_async.testing import LocalServer, server_env
+from lmkv_async.testing import EngineRegistration, LocalServer, server_env
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +46,7 @@ async def test_library_and_official_sdk_read_each_others_data(
     shm: bool,
     tmp_path: Path,
     server_factory: Callable[..., LocalServer],
-    register_engine: Callable[..., Registration],
+    register_engine: Callable[..., EngineRegistration],
 ) -> None:
     server = server_factory(version, shm=shm)
     model = f"interop-{server.zmq_port}"

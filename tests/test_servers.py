@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from servers import (
     VERSIONS,
-    Registration,
     ServerPool,
     ServerSpec,
     assert_no_leaks,
@@ -22,7 +21,13 @@ from servers import (
 )
 from timing import eventually_sync
 
-from lmkv_async.testing import LocalServer, ServerConfig, server_env, unlink_engine_segments
+from lmkv_async.testing import (
+    EngineRegistration,
+    LocalServer,
+    ServerConfig,
+    server_env,
+    unlink_engine_segments,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SDK_PEER = REPO / "benchmarks" / "sdk_peer.py"
@@ -164,11 +169,11 @@ def test_server_version_status_and_config(server: LocalServer) -> None:
 
 
 def test_registration_shows_cache_context_meta(
-    server: LocalServer, register_engine: Callable[..., Registration]
+    server: LocalServer, register_engine: Callable[..., EngineRegistration]
 ) -> None:
     L, NB, NH, BS, HS = 3, 40, 4, 16, 64
     model = f"reg-{server.config.version}-{server.zmq_port}"
-    reg: Registration = register_engine(
+    reg: EngineRegistration = register_engine(
         server,
         model=model,
         num_layers=L,
@@ -211,7 +216,7 @@ def test_registration_shows_cache_context_meta(
 def test_sdk_peer_smoke(
     shm: bool,
     server_factory: Callable[..., LocalServer],
-    register_engine: Callable[..., Registration],
+    register_engine: Callable[..., EngineRegistration],
 ) -> None:
     """The official-SDK baseline runs against 0.5.6 and returns the stored bytes.
 
@@ -220,7 +225,7 @@ def test_sdk_peer_smoke(
     server = server_factory("0.5.6", shm=shm)
     model = f"peer-{server.zmq_port}"
     geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}
-    reg: Registration = register_engine(
+    reg: EngineRegistration = register_engine(
         server, model=model, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16
     )
     job = {

@@ -13,7 +13,14 @@ import pytest
 from servers import server_python
 
 import lmkv_async
-from lmkv_async.testing import LocalServerError, env_var_for, find_server_python
+from lmkv_async.testing import (
+    LocalServer,
+    LocalServerError,
+    ServerConfig,
+    env_var_for,
+    find_server_python,
+    registered_engine,
+)
 
 
 def test_import_registers_nothing() -> None:
@@ -99,3 +106,19 @@ def test_pytest_plugin_runs_a_users_suite_against_a_real_server(tmp_path: Path) 
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     assert "LMKV_LMCACHE_PYTHON_056" in run.stdout
+
+
+def test_registered_engine_fails_with_the_scripts_log(tmp_path: Path) -> None:
+    # An interpreter that exits at once: no READY line, so a LocalServerError naming the
+    # script, its exit code and the log's tail.
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\necho 'no lmcache here' >&2\nexit 3\n")
+    script.chmod(0o755)
+    server = LocalServer(ServerConfig(version="0.5.6", python=str(script)),
+                         log_path=tmp_path / "server.log")
+    expected = r"(?s)did not print READY \(rc=3\).*no lmcache here"
+    with pytest.raises(LocalServerError, match=expected):
+        with registered_engine(server, model="m", log_dir=tmp_path, timeout=30):
+            pass
+    (log,) = tmp_path.glob("register-m-*.log")
+    assert "no lmcache here" in log.read_text()

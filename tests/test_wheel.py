@@ -91,7 +91,8 @@ def test_build_install_wheel_in_a_fresh_venv_and_use_it(
         members = {n.removeprefix(top + "/") for n in tf.getnames()}
     for needed in ("lmkv_async/_copy.c", "setup.py", "pyproject.toml", "LICENSE",
                    "CHANGELOG.md", "MANIFEST.in", "README.md", "tests/test_wheel.py",
-                   "tests/conftest.py", "tests/server_scripts/register_cpu_engine.py",
+                   "tests/conftest.py", "tests/server_scripts/lmcache_store.py",
+                   "lmkv_async/testing/server_scripts/register_cpu_engine.py",
                    "docs/index.md", "examples/demo.py", "constraints/ci.txt", "mkdocs.yml",
                    "tools/griffe_sphinx_roles.py"):
         assert needed in members, f"the sdist lacks {needed}"
@@ -104,6 +105,8 @@ def test_build_install_wheel_in_a_fresh_venv_and_use_it(
         metadata = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
     assert [n for n in names if n.startswith("lmkv_async/_copy.") and n.endswith(".so")]
     assert "lmkv_async/py.typed" in names
+    assert "lmkv_async/cli/__init__.py" in names and "lmkv_async/cli/_app.py" in names
+    assert "lmkv_async/testing/server_scripts/register_cpu_engine.py" in names  # run by path
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "lmkv = lmkv_async.__main__:main" in entry_points
     assert "License-Expression: Apache-2.0" in metadata

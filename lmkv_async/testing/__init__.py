@@ -18,6 +18,7 @@ outside the library's :class:`~lmkv_async.KVCacheError` tree.
 """
 
 from .coordinator import LocalCoordinator
+from .engine import EngineRegistration, registered_engine, unlink_engine_segments
 from .server import (
     KNOWN_VERSIONS,
     LocalServer,
@@ -27,11 +28,11 @@ from .server import (
     find_server_python,
     free_port,
     server_env,
-    unlink_engine_segments,
 )
 
 __all__ = [
     "KNOWN_VERSIONS",
+    "EngineRegistration",
     "LocalCoordinator",
     "LocalServer",
     "LocalServerError",
@@ -39,6 +40,7 @@ __all__ = [
     "env_var_for",
     "find_server_python",
     "free_port",
+    "registered_engine",
     "server_env",
     "unlink_engine_segments",
 ]

@@ -76,22 +76,6 @@ _DEV_SHM = Path("/dev/shm")
 _TRANSFER_MODES = ("auto", "engine_driven", "lmcache_driven")
 
 
-def unlink_engine_segments(pid: int) -> None:
-    """Unlink the ``/dev/shm/lmcache_kv_<pid>_<n>`` KV segments of an engine process.
-
-    lmcache's CPU engine adapter names its segments after its pid and creates them
-    exclusively, so segments left by a killed engine make a later process that reuses
-    the pid fail with ``FileExistsError``. Call it after the engine exited, and right
-    after starting one (before it can have made any).
-    """
-    prefix = f"lmcache_kv_{pid}_"
-    with contextlib.suppress(OSError):
-        for entry in _DEV_SHM.iterdir():
-            if entry.name.startswith(prefix):
-                with contextlib.suppress(OSError):
-                    entry.unlink()
-
-
 class LocalServerError(RuntimeError):
     """A local lmcache server could not be started or did not behave.
 

@@ -2,7 +2,9 @@
 
 Runs INSIDE a server environment (it imports ``lmcache``; ``lmkv_async`` never
 does). It registers CPU paged caches exactly like ``register_cpu_engine.py``
-(whose helpers it reuses) and then serves one JSON command per stdin line:
+(whose helpers it reuses: that script ships in ``lmkv_async/testing/server_scripts/``,
+which the parent, ``tests/storer.py``, puts on ``PYTHONPATH``) and then serves one JSON
+command per stdin line:
 
 * ``{"op": "store", "id": "r1", "tokens": [...], "salt": "", "chunk_size": 256}``: store
   every complete chunk of ``tokens`` through ``LMCacheMPWorkerAdapter.submit_store_request`` (the
@@ -20,10 +22,7 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from register_cpu_engine import _make_adapter, _parse_args, _register
 
