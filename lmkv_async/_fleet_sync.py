@@ -51,6 +51,9 @@ log = logging.getLogger("lmkv_async.fleet")
 OWN_RECORDS = 1024
 #: Deadline of one ``/status`` audit and of each re-verifying lookup.
 AUDIT_TIMEOUT = 0.5
+#: When the log has not moved for this long, an idle stream has applied all of it
+#: that concerns its model (records of other models send no batch).
+STABLE_AFTER = 1.0
 
 OwnKey = tuple[bytes, str]
 OwnRecord = tuple[tuple[int, ...], str, tuple[bytes, ...]]
@@ -92,10 +95,14 @@ class IndexSync:
         self.audited_incarnation: int | None = None
         #: monotonic time of the last audit that proved something (0: none yet)
         self.audited_at = 0.0
+        #: when that audit's ``/status`` request was sent
+        self.proof_started = 0.0
+        self._audit_task: asyncio.Task[None] | None = None
+        self._audit_task_started = 0.0
+        #: when ``audit_seq`` was first seen (the log has not moved since)
+        self._seq_since = 0.0
         #: the server's last logged seq at that audit: the index must have applied it
         self.audit_seq = 0
-        #: no record was logged (any model) between the last two audits
-        self._seq_stable = False
         #: no engine-driven store on the server but the fleet's own, ever (this incarnation)
         self.exact = True
         #: engine-driven chunks the fleet did not store (the last audit's count)
@@ -122,18 +129,47 @@ class IndexSync:
                 and CAP_KV_EVENTS in s.capabilities and self._chunk_ok())
 
     @property
-    def synced(self) -> bool:
-        """Whether the index may answer for this member now (docs/fleet.md)."""
+    def candidate(self) -> bool:
+        """Everything :attr:`synced` needs but a recent audit: worth proving now."""
         m = self.member
-        stream = self.stream
         if not (m.state == "up" and m.connected and self.has_events and self.stream_live
-                and stream is not None and self.incarnation is not None
-                and self.audited_incarnation == self.incarnation and not self._verifying
-                and self._chunk_ok() and self._caught_up(stream)
-                and time.monotonic() - self.audited_at
-                <= 2 * self.fleet.audit_interval + AUDIT_TIMEOUT):
+                and self.stream is not None and self.incarnation is not None
+                and not self._verifying and self._chunk_ok()):
             return False
         return self.fleet.allow_stale_index or (self.stream_complete and self.exact)
+
+    @property
+    def synced(self) -> bool:
+        """Whether the index held everything the server holds at the last audit, and
+        that audit is recent (docs/fleet.md, "When the index answers")."""
+        stream = self.stream
+        return (self.candidate and stream is not None
+                and self.audited_incarnation == self.incarnation
+                and self._caught_up(stream)
+                and time.monotonic() - self.audited_at
+                <= 2 * self.fleet.audit_interval + AUDIT_TIMEOUT)
+
+    async def prove(self, since: float, deadline: float) -> bool:
+        """Whether the index may answer for this member in a call that started at
+        ``since``: :attr:`synced` with an audit sent at or after ``since`` (one audit
+        is shared by the calls waiting for it). ``allow_stale_index``: the last audit
+        will do. False when no such audit finished by ``deadline``."""
+        if self.fleet.allow_stale_index or (self.proof_started >= since and self.synced):
+            return self.synced
+        if not self.candidate:
+            return False
+        task = self._audit_task
+        if task is None or task.done() or self._audit_task_started < since:
+            self._audit_task_started = time.monotonic()
+            task = self._audit_task = asyncio.get_running_loop().create_task(self.audit())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        # Shielded: one caller's timeout must not cancel the audit others wait for.
+        done, _ = await asyncio.wait({task}, timeout=left)
+        return bool(done) and self.proof_started >= since and self.synced
 
     def _caught_up(self, stream: KVEventStream) -> bool:
         """Whether the index applied every record the server had logged at the last audit.
@@ -144,7 +180,9 @@ class IndexSync:
         """
         if stream.cursor >= self.audit_seq:
             return True
-        return self._seq_stable and isinstance(stream, _FollowStream) and stream.idle
+        # A batch of ours logged before the audit has long arrived by now.
+        return (isinstance(stream, _FollowStream) and stream.idle and self._seq_since > 0
+                and time.monotonic() - self._seq_since >= STABLE_AFTER)
 
     def why_not(self) -> str:
         """Why :attr:`synced` is False (for error messages and logs)."""
@@ -170,6 +208,7 @@ class IndexSync:
         s = self.member.session
         if s is None:
             return
+        started = time.monotonic()
         try:
             status = await s.http.get_json("/status", timeout=AUDIT_TIMEOUT)
         except (ServerTimeoutError, ServerUnavailableError) as exc:
@@ -178,9 +217,9 @@ class IndexSync:
         except KVCacheError as exc:
             log.debug("audit of %s failed: %s", self.member.name, exc)
             return
-        self.apply_status(status)
+        self.apply_status(status, started)
 
-    def apply_status(self, status: Any) -> None:
+    def apply_status(self, status: Any, started: float | None = None) -> None:
         """Update the proof from one ``/status`` body."""
         kv = status.get("kv_events") if isinstance(status, dict) else None
         if not isinstance(kv, dict) or kv.get("incarnation") != self.incarnation:
@@ -201,11 +240,14 @@ class IndexSync:
                      "since the server started); asking it directly until it restarts",
                      self.member.name, foreign)
             self.exact = False
-        self._seq_stable = (self.audited_incarnation == self.incarnation
-                            and next_seq - 1 == self.audit_seq)
+        now = time.monotonic()
+        if not (self.audited_incarnation == self.incarnation
+                and next_seq - 1 == self.audit_seq):
+            self._seq_since = now
         self.audit_seq = next_seq - 1
         self.audited_incarnation = self.incarnation
-        self.audited_at = time.monotonic()
+        self.audited_at = now
+        self.proof_started = now if started is None else started
 
     # ------------------------------------------------------------------ the stream
     async def follow(self, wake: asyncio.Event) -> None:

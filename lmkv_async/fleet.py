@@ -322,7 +322,8 @@ class Fleet:
             raise InvalidInputError(f"unknown source {source!r}")
         if self._state != "open":
             raise ClosedError(f"fleet is {self._state}")
-        deadline = time.monotonic() + t
+        started = time.monotonic()
+        deadline = started + t
         out = FleetLookup()
         C = self.chunk_size
         n = len(toks) // C * C if C else 0
@@ -347,7 +348,7 @@ class Fleet:
         direct: dict[str, asyncio.Task[int | KVCacheError]] = {}
         # Release steps of the direct lookups wait until all of them are answered.
         release_gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        synced = []
+        candidates = []
         for name, member in self._members.items():
             if name in out:
                 continue  # answered by the coordinator
@@ -355,8 +356,8 @@ class Fleet:
                 out[name], out.sources[name] = member._down_error(), "down"
             elif n == 0:
                 out[name], out.sources[name] = 0, "lookup"
-            elif source in ("auto", "index") and member.synced and member.connected:
-                synced.append(name)
+            elif source in ("auto", "index") and member.sync.candidate:
+                candidates.append(name)
             elif source == "index":
                 out[name] = UnsupportedOperationError(
                     f"the index cannot answer for it: {member.sync.why_not()}",
@@ -365,6 +366,26 @@ class Fleet:
             else:
                 direct[name] = asyncio.ensure_future(
                     member._direct(toks, salt, n, deadline, release_gate))
+        synced = []
+        if candidates:
+            # By default the index answers only with proof from an audit sent during
+            # this call (shared by concurrent calls), within half the time left: a
+            # member it cannot prove is then asked directly.
+            prove_by = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+            proofs = await asyncio.gather(*(self._members[k].sync.prove(started, prove_by)
+                                            for k in candidates))
+            for name, ok in zip(candidates, proofs, strict=True):
+                member = self._members[name]
+                if ok and member.connected:
+                    synced.append(name)
+                elif source == "index":
+                    out[name] = UnsupportedOperationError(
+                        f"the index cannot answer for it: {member.sync.why_not()}",
+                        server=member.url)
+                    out.sources[name] = "index"
+                else:
+                    direct[name] = asyncio.ensure_future(
+                        member._direct(toks, salt, n, deadline, release_gate))
         if synced:
             packed = token_bytes(toks[:n])
             for name, chunks in self._index.longest(packed, n // C, salt, synced).items():
