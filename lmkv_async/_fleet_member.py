@@ -1,6 +1,18 @@
 """One server of a :class:`~lmkv_async.fleet.Fleet`: health, a light lookup session
 (registration only, no SHM mapping), its KV-event stream and index bookkeeping, and the
-data-path context opened on demand."""
+data-path context opened on demand.
+
+The member reports to its fleet through :class:`._fleet_host.FleetHost`; it never
+imports ``fleet.py``.
+
+When the index may answer for a member (:attr:`FleetMember.synced`) is decided here;
+docs/fleet.md states the rule. In short: only while the index provably holds
+everything the server holds, that is the server's whole event history since it
+started (replayed from cursor 0, nothing lost), no engine-driven store on it but
+the fleet's own (``/status kv_events.unbound_stores``, which counts every model's,
+since the server started), and a live stream and socket, checked by an audit no
+older than two audit intervals whose event position the index has reached.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +21,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 
 from . import _ops
-from ._index import PrefixIndex
+from ._fleet_host import FleetHost, MemberState, Registration
+from ._fleet_sync import IndexSync, OwnReplayStream
 from ._session import Session
+from ._shield import Once, finish
 from .context import AsyncKVContext, connect
 from .errors import (
     ClosedError,
@@ -23,7 +37,6 @@ from .errors import (
     ServerError,
     ServerTimeoutError,
     ServerUnavailableError,
-    UnsupportedOperationError,
 )
 from .events import KVEventStream, require_kv_events
 from .http import ApiKey
@@ -32,23 +45,17 @@ from .results import StoreResult
 from .validate import Tokens, check_salt, check_timeout, check_tokens
 from .wire import requests
 from .wire.dialect import CAP_KV_EVENTS
-from .wire.events import KVRemoved, KVResync, KVStored
 from .wire.replies import parse_register
 
 __all__ = ["DOWN_AFTER", "FleetMember", "has_registration"]
 
 log = logging.getLogger("lmkv_async.fleet")
 
-MemberState = Literal["joining", "up", "down", "closed"]
-Source = Literal["index", "lookup", "coordinator", "down"]
-Registration = Literal["auto", "always", "never"]
-
-if TYPE_CHECKING:
-    from .fleet import Fleet
-
 #: Lookup timeouts in a row that mark a member down (a disconnect does at once).
 DOWN_AFTER = 2
 _PROBE_TIMEOUT = 0.5
+#: How long closing a member may wait for its background tasks (they are cancelled).
+_TASK_STOP_BUDGET = 2.0
 
 
 def has_registration(status: Mapping[str, Any], model_name: str, world_size: int) -> bool:
@@ -92,7 +99,9 @@ class _LightSession(Session):
                     self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
                                                           name="lmkv-fleet-heartbeat")
         except BaseException:
-            await self.teardown(unregister=self._register_sent)
+            # Shielded: a caller's cancellation (the usual reason to be here) must not
+            # leave the registration behind.
+            await finish(self.teardown(unregister=self._register_sent))
             raise
 
     async def _register_light(self, deadline: float) -> None:
@@ -130,7 +139,7 @@ class FleetMember:
     """One server of a :class:`Fleet`: health, a light lookup session, its event
     stream, and (on first use) a full data-path context."""
 
-    def __init__(self, fleet: Fleet, name: str, url: str, http_url: str) -> None:
+    def __init__(self, fleet: FleetHost, name: str, url: str, http_url: str) -> None:
         self.fleet = fleet
         self.name = name
         self.url = url if "://" in url else f"tcp://{url}"
@@ -147,17 +156,9 @@ class FleetMember:
         self._health: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        # ---- event-index bookkeeping (see Fleet docstring)
-        self.stream: KVEventStream | None = None
-        self.stream_complete = False
-        self.incarnation: int | None = None
-        self.audited_incarnation: int | None = None
-        self.exact = True
-        self.own_written = 0
-        self._own_inflight = 0
-        #: engine-driven stores on the server before the fleet attached (this incarnation)
-        self.unbound_baseline = 0
-        self.has_events = False
+        self._closer = Once()
+        #: the index bookkeeping: stream, audits, the fleet's own stores
+        self.sync = IndexSync(fleet, self)
 
     def __repr__(self) -> str:
         return (f"<FleetMember {self.name!r} {self.url} {self.state}"
@@ -187,24 +188,41 @@ class FleetMember:
 
     @property
     def synced(self) -> bool:
-        """Whether :meth:`Fleet.best` may answer for this member from the index."""
-        return (self.state == "up" and self.has_events and self.stream_complete and self.exact
-                and self.incarnation is not None and self.audited_incarnation == self.incarnation
-                and self.chunk_size == self.fleet.chunk_size)
+        """Whether :meth:`Fleet.best` may answer for this member from the index
+        (docs/fleet.md, "When the index answers")."""
+        return self.sync.synced
+
+    @property
+    def exact(self) -> bool:
+        """False once the server showed engine-driven stores the fleet did not make
+        (since the server started, any model): the index cannot know their objects."""
+        return self.sync.exact
+
+    @property
+    def stream_complete(self) -> bool:
+        """The event stream replayed the server's whole log and lost nothing since."""
+        return self.sync.stream_complete
+
+    @property
+    def has_events(self) -> bool:
+        """The member follows its server's KV-event stream."""
+        return self.sync.has_events
 
     # ------------------------------------------------------------------ lifecycle
     async def _open_session(self) -> None:
         f = self.fleet
         session = _LightSession(self.url, self.http_url, f.model_name, layout=f.layout,
-                                timeout=f.connect_timeout, api_key=f._api_key,
+                                timeout=f.connect_timeout, api_key=f.api_key,
                                 registration=f.registration)
         await session.open()
-        session.timeout = f.timeout
+        # No await between the open and this: a cancellation cannot lose the session.
         self.session = session
-        if f.chunk_size == 0:
-            f.chunk_size = session.chunk_size
-            f._index = PrefixIndex(session.chunk_size)
-        elif session.chunk_size != f.chunk_size:
+        if self._is_closed():  # closed while joining: the teardown missed it
+            await finish(session.close())
+            raise ClosedError(f"fleet member {self.name} is closed")
+        session.timeout = f.timeout
+        f._adopt_chunk_size(session.chunk_size)
+        if session.chunk_size != f.chunk_size:
             log.warning("%s has chunk size %d, the fleet %d: lookups only", self.name,
                         session.chunk_size, f.chunk_size)
 
@@ -215,16 +233,27 @@ class FleetMember:
             self._mark_down(exc)
         else:
             self._mark_up()
-        self._health = asyncio.create_task(self._health_loop(), name=f"lmkv-fleet-{self.name}")
+        if self.state != "closed":
+            self._health = asyncio.create_task(self._health_loop(),
+                                               name=f"lmkv-fleet-{self.name}")
+
+    def _is_closed(self) -> bool:
+        # A method, not an inline test: the state changes across awaits.
+        return self.state == "closed"
 
     def _mark_up(self) -> None:
+        if self.state == "closed":
+            return
         if self.state != "up":
             log.info("fleet member %s is up (lmcache %s)", self.name, self.server_version)
         self.state, self.error, self._failures = "up", None, 0
         s = self.session
-        if (self.fleet.events and s is not None and self._follower is None
-                and CAP_KV_EVENTS in s.capabilities):
-            self._follower = asyncio.create_task(self._follow(), name=f"lmkv-events-{self.name}")
+        if self.fleet.events and s is not None and self._follower is None:
+            if CAP_KV_EVENTS in s.capabilities:
+                self._follower = asyncio.create_task(self.sync.follow(self._wake),
+                                                     name=f"lmkv-events-{self.name}")
+            else:
+                self.sync.no_events = True
 
     def _mark_down(self, exc: KVCacheError) -> None:
         if self.state == "closed":
@@ -269,102 +298,32 @@ class FleetMember:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), f.audit_interval)
             if self.state == "up" and self._follower is not None:
-                await self._audit()
-
-    async def _audit(self) -> None:
-        """``/status``: liveness, and whether someone else stored engine-driven objects
-        (they emit no event, so the index cannot know them)."""
-        s = self.session
-        assert s is not None
-        try:
-            status = await s.http.get_json("/status", timeout=_PROBE_TIMEOUT)
-        except (ServerTimeoutError, ServerUnavailableError) as exc:
-            self._mark_down(exc)
-            return
-        except KVCacheError as exc:
-            log.debug("audit of %s failed: %s", self.name, exc)
-            return
-        kv = status.get("kv_events") if isinstance(status, dict) else None
-        if not isinstance(kv, dict) or kv.get("incarnation") != self.incarnation:
-            return  # not ours yet (the stream has not seen this incarnation)
-        unbound = int(kv.get("unbound_stores", 0))
-        if self.audited_incarnation != self.incarnation:
-            # First audit of this incarnation: engine-driven stores made before the
-            # fleet attached are invisible to the index (the counter is server-wide,
-            # every model). strict_index refuses to answer from the index after any.
-            self.unbound_baseline = unbound - self.own_written - self._own_inflight
-            if self.fleet.strict_index and self.unbound_baseline > 0:
-                self.exact = False
-        foreign = unbound - self.unbound_baseline - self.own_written - self._own_inflight
-        if foreign > 0 and self.exact:
-            log.info("%s: %d engine-driven stores the fleet did not make (any model); "
-                     "answering it with lookups until the server restarts", self.name,
-                     foreign)
-            self.exact = False
-        self.audited_incarnation = self.incarnation
-
-    async def _follow(self) -> None:
-        """Feed the index from this server's KV-event stream, resubscribing on errors."""
-        f = self.fleet
-        s = self.session
-        assert s is not None
-        try:
-            require_kv_events(s.d, s.capabilities, self.url, s.server_version)
-        except UnsupportedOperationError:
-            return
-        self.has_events = True
-        delay = f.probe_backoff[0]
-        while self.state != "closed":
-            stream = KVEventStream(self.url, s.d, f.model_name, max_events=1024,
-                                   timeout=f.connect_timeout,
-                                   heartbeat_interval=min(10.0, (s.reap_timeout or 120) / 4))
-            self.stream = stream
-            try:
-                while True:
-                    self._apply(await stream.next())
-                    delay = f.probe_backoff[0]
-            except UnsupportedOperationError as exc:
-                log.info("%s records no KV events (%s): lookups only", self.name, exc)
-                self.has_events = False
-                return
-            except KVCacheError as exc:
-                log.debug("%s event stream failed: %s", self.name, exc)
-                self.stream_complete = False
-            finally:
-                await stream.aclose()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, f.probe_backoff[1])
-
-    def _apply(self, ev: KVStored | KVRemoved | KVResync) -> None:
-        index = self.fleet._index
-        if isinstance(ev, KVStored):
-            if ev.medium == "CPU":
-                index.add_event(self.name, ev.block_hashes, ev.parent_block_hash, ev.token_ids)
-        elif isinstance(ev, KVRemoved):
-            index.remove(self.name, ev.block_hashes)
-        else:
-            if ev.discard:
-                index.discard(self.name)
-            if ev.reason == "restart":
-                self.own_written, self.unbound_baseline, self.exact = 0, 0, True
-            if ev.incarnation != self.incarnation:
-                self.incarnation = ev.incarnation
-                self._wake.set()  # audit now, not at the next interval
-            self.stream_complete = ev.complete
+                await self.sync.audit()
 
     async def aclose(self) -> None:
-        """Stop the tasks, close the data-path context and the light session."""
+        """Stop the tasks, close the data-path context and the light session.
+
+        Shielded, bounded and idempotent: the caller's cancellation (a task's
+        ``cancel()``, ``asyncio.timeout``, an anyio scope) does not cut the cleanup
+        short, and a second call waits for the first one's cleanup.
+        """
+        await self._closer.run(self._teardown)
+
+    async def _teardown(self) -> None:
         self.state = "closed"
         self._wake.set()
-        for task in (self._health, self._follower):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._health, self._follower) if t is not None),
-                             return_exceptions=True)
+        tasks = [t for t in (self._health, self._follower, *self.sync.tasks()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # Bounded: a task that ignores its cancellation is left behind, not awaited.
+            await asyncio.wait(tasks, timeout=_TASK_STOP_BUDGET)
         if self._ctx is not None:
-            await self._ctx.aclose()
+            with contextlib.suppress(Exception):
+                await self._ctx.aclose()
         if self.session is not None:
-            await self.session.close()
+            with contextlib.suppress(Exception):
+                await self.session.close()
 
     # ------------------------------------------------------------------ lookups
     async def _direct(self, toks: list[int], salt: str, n: int, deadline: float,
@@ -417,9 +376,14 @@ class FleetMember:
         async with self._ctx_lock:
             if self._ctx is None or self._ctx.closed:
                 f = self.fleet
-                self._ctx = await connect(self.url, self.http_url, f.model_name,
-                                          layout=f.layout, timeout=f.data_timeout,
-                                          api_key=f._api_key_arg)
+                key = f.api_key
+                ctx = await connect(self.url, self.http_url, f.model_name,
+                                    layout=f.layout, timeout=f.data_timeout,
+                                    api_key=key.reveal() if key is not None else None)
+                if self._is_closed():  # closed while connecting
+                    await finish(ctx.aclose())
+                    raise ClosedError(f"fleet member {self.name} is closed")
+                self._ctx = ctx
             return self._ctx
 
     async def retrieve(self, tokens: Tokens, *, out: torch.Tensor | None = None,
@@ -439,20 +403,22 @@ class FleetMember:
 
         Engine-driven stores emit no event, so the fleet records them itself: after
         the store it looks up what the server now holds of ``tokens`` and enters
-        that prefix, with ``cache_salt``.
+        that prefix, with ``cache_salt``. On a server without an event stream nothing
+        is recorded (the index is never read for it) and no lookup is made.
         """
         toks = check_tokens(tokens)
         ctx = await self.context()
         total = len(toks) // ctx.chunk_size
+        sync = self.sync
         self.in_flight += 1
-        self._own_inflight += total
+        sync.own_inflight += total
         try:
             res = await ctx.store(kv, toks, cache_salt=cache_salt, timeout=timeout)
-            self.own_written += res.written_chunks
+            sync.own_written += res.written_chunks
         finally:
-            self._own_inflight -= total
+            sync.own_inflight -= total
             self.in_flight -= 1
-        if total and self.fleet.events and self.chunk_size == self.fleet.chunk_size:
+        if total and sync.indexable:
             try:
                 hit = await ctx.lookup(toks, cache_salt=cache_salt, timeout=timeout)
             except KVCacheError as exc:
@@ -462,16 +428,20 @@ class FleetMember:
                 return res
             chunks = hit // ctx.chunk_size
             if chunks:
-                await self.fleet._note_store(self.name, toks, cache_salt, chunks)
+                hashes = await self.fleet._note_store(self.name, toks, cache_salt, chunks)
+                sync.note_own(toks, cache_salt, hashes)
         return res
 
     def kv_events(self, *, cursor: int = 0, max_events: int = 256) -> KVEventStream:
-        """This server's KV-event stream (a subscription of its own; close it)."""
+        """This server's KV-event stream (a subscription of its own; close it).
+
+        After a resync that discards (its start, a lost range; not a restart) it also
+        hands out the stores made through the fleet that the server still holds, as
+        ``KVStored`` records with ``seq`` 0: they emit no LMCache event.
+        """
         s = self.session
         if s is None:
             raise ServerUnavailableError("the member has not joined", server=self.url)
         require_kv_events(s.d, s.capabilities, self.url, s.server_version)
-        return KVEventStream(self.url, s.d, self.fleet.model_name, cursor=cursor,
-                             max_events=max_events, timeout=self.fleet.connect_timeout)
-
-
+        return OwnReplayStream(self.sync, self.url, s.d, self.fleet.model_name, cursor=cursor,
+                               max_events=max_events, timeout=self.fleet.connect_timeout)

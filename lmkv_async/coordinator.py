@@ -17,6 +17,12 @@ directory. :class:`CoordinatorClient` reads two of its routes:
 What the directory sees is measured in docs/fleet.md. The fleet turns placements
 into a prefix per instance: the chunks ``0..k-1`` that all have an L1 placement
 of that instance.
+
+Trust: a coordinator lists whatever registered with it. Listed servers the fleet
+was not configured with join only as ``Fleet(discover=...)`` allows (the default
+allows none): joining sends them the fleet's API key and opens a data path. The
+coordinator itself is sent no key (the 0.5.7 coordinator checks none); the
+servers' key goes only to configured or allowed servers.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from ._fleet_host import CoordinatedFleet
 from .errors import (
     AuthenticationError,
     ProtocolError,
@@ -38,10 +45,8 @@ from .errors import (
 )
 from .http import ApiKey, HttpClient
 
-if TYPE_CHECKING:
-    from .fleet import Fleet
-
-__all__ = ["CoordinatorClient", "Instance", "attach_coordinator", "prefix_by_instance"]
+__all__ = ["CoordinatorClient", "FleetCoordinator", "Instance", "allowed",
+           "attach_coordinator", "prefix_by_instance"]
 
 log = logging.getLogger("lmkv_async.coordinator")
 
@@ -165,7 +170,7 @@ class CoordinatorClient:
         await self._client.aclose()
 
 
-class _FleetCoordinator:
+class FleetCoordinator:
     """The fleet's view of its coordinator: instance ids mapped to member names."""
 
     #: after a failure, the directory is not asked again for this long (seconds)
@@ -173,7 +178,7 @@ class _FleetCoordinator:
     #: members unknown to the coordinator are looked for again at most this often
     REMAP_EVERY = 5.0
 
-    def __init__(self, fleet: Fleet, client: CoordinatorClient) -> None:
+    def __init__(self, fleet: CoordinatedFleet, client: CoordinatorClient) -> None:
         self.fleet = fleet
         self.client = client
         #: coordinator instance_id -> member name
@@ -220,8 +225,9 @@ class _FleetCoordinator:
         for name, member in self.fleet.members.items():
             if name in self.names.values():
                 continue
+            # A configured (or allowed) member: it may see the fleet's key.
             http = HttpClient(member.http_url, timeout=self.fleet.connect_timeout,
-                              api_key=self.fleet._api_key)
+                              api_key=self.fleet.api_key)
             try:
                 config = await http.config()
             except Exception as exc:  # a down member is mapped on a later call
@@ -234,20 +240,32 @@ class _FleetCoordinator:
                 self.names[str(inst)] = name
 
     async def aclose(self) -> None:
+        """Stop the background mapping and close the HTTP client."""
         if self._remap is not None:
             self._remap.cancel()
             await asyncio.gather(self._remap, return_exceptions=True)
         await self.client.aclose()
 
 
-async def attach_coordinator(fleet: Fleet) -> None:
-    """Connect ``fleet`` to its coordinator; add the servers it lists that the fleet
-    does not have yet (named by their coordinator instance id)."""
-    assert fleet.coordinator_url is not None
-    client = CoordinatorClient(fleet.coordinator_url, timeout=fleet.connect_timeout,
-                               api_key=fleet._api_key)
-    coord = _FleetCoordinator(fleet, client)
-    fleet.coordinator = coord
+def allowed(inst: Instance, discover: bool | frozenset[str]) -> bool:
+    """Whether a server the coordinator lists may join: ``discover`` is True, or names
+    its instance id or its ``host:port`` HTTP address."""
+    if isinstance(discover, bool):
+        return discover
+    return inst.instance_id in discover or f"{inst.ip}:{inst.http_port}" in discover
+
+
+async def attach_coordinator(fleet: CoordinatedFleet, url: str,
+                             discover: bool | frozenset[str]) -> FleetCoordinator:
+    """Connect ``fleet`` to its coordinator at ``url``; add the servers it lists that the
+    fleet does not have yet and ``discover`` allows (named by their instance id).
+
+    A listed server that is not allowed is never contacted: neither its ``/config``
+    nor anything else is asked, so the fleet's API key never reaches it.
+    """
+    # No key for the coordinator: it checks none, and the key is the servers'.
+    client = CoordinatorClient(url, timeout=fleet.connect_timeout)
+    coord = FleetCoordinator(fleet, client)
     try:
         instances = await client.instances()
     except Exception as exc:
@@ -257,7 +275,10 @@ async def attach_coordinator(fleet: Fleet) -> None:
     for inst in instances:
         if (inst.ip, inst.http_port) in known:
             continue
-        http = HttpClient(inst.http_url, timeout=fleet.connect_timeout, api_key=fleet._api_key)
+        if not allowed(inst, discover):
+            log.info("coordinator lists %s, not allowed by discover: not joined", inst)
+            continue
+        http = HttpClient(inst.http_url, timeout=fleet.connect_timeout, api_key=fleet.api_key)
         try:
             mp = (await http.config()).get("mp") or {}
         except Exception as exc:
@@ -273,6 +294,7 @@ async def attach_coordinator(fleet: Fleet) -> None:
             fleet.add_member(inst.instance_id, f"tcp://{host}:{port}", inst.http_url)
             coord.names[inst.instance_id] = inst.instance_id
     await coord.map_members()
+    return coord
 
 
 def _host_port(url: str) -> tuple[str, int]:

@@ -10,12 +10,12 @@ longest cached prefix of this prompt?* :class:`Fleet` answers it three ways:
   needs *some* registration for ``(model, world_size)`` on the server and answers 0
   without one, even for cached objects; docs/fleet.md).
 * **the event-fed prefix index** (:mod:`._index`): each member follows its server's
-  KV-event stream (0.5.6+); with the fleet's own stores (which emit no event) it
-  answers :meth:`Fleet.best` with no RPC at all. A member is answered from the
-  index only while it is *synced*: its stream is complete (no lost range since
-  the start of the server's incarnation) and ``/status kv_events.unbound_stores``
-  shows no engine-driven stores but the fleet's own. Otherwise it falls back to a
-  direct lookup.
+  KV-event stream (0.5.6+) from cursor 0; with the fleet's own stores (which emit
+  no event) it answers :meth:`Fleet.best` with no RPC at all. By default a member is
+  answered from the index only while the index provably holds everything its
+  server holds (:attr:`FleetMember.synced`; docs/fleet.md, "When the index
+  answers"): never a count the server would contradict. ``allow_stale_index=True``
+  trades that for speed.
 * **LMCache's coordinator** (``coordinator_url``, 0.5.7): see
   :mod:`lmkv_async.coordinator`.
 
@@ -35,20 +35,20 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
+from ._fleet_host import MemberState, OwnStoreListener, Registration, Source
 from ._fleet_member import (  # noqa: F401  (re-exported)
     DOWN_AFTER,
     FleetMember,
-    MemberState,
-    Registration,
-    Source,
     _LightSession,
     has_registration,
 )
 from ._index import PrefixIndex
+from ._shield import Once
+from .coordinator import FleetCoordinator, attach_coordinator
 from .errors import (
     ClosedError,
     InvalidInputError,
@@ -57,7 +57,7 @@ from .errors import (
     ServerUnavailableError,
     UnsupportedOperationError,
 )
-from .http import resolve_api_key
+from .http import ApiKey, resolve_api_key
 from .layout import KVLayout
 from .validate import Tokens, check_salt, check_timeout, check_tokens
 from .wire.hashing import HAVE_NATIVE_BLAKE3, chunk_hashes
@@ -68,14 +68,15 @@ __all__ = ["DOWN_AFTER", "Fleet", "FleetLookup", "FleetMember", "MemberState"]
 log = logging.getLogger("lmkv_async.fleet")
 
 
-
-
 class FleetLookup(dict[str, "int | KVCacheError"]):
     """One fleet-wide lookup: ``name -> cached prefix in tokens``, or the error that
     says why that server has no answer (never a silent 0).
 
-    ``sources[name]`` says where each answer came from: ``"index"`` (no RPC),
-    ``"lookup"`` (a direct RPC), ``"coordinator"`` or ``"down"`` (marked down: no RPC).
+    ``sources[name]`` says where each answer came from (docs/fleet.md states what
+    each guarantees): ``"index"`` (no RPC; by default only for a member whose index
+    provably holds all its server holds), ``"lookup"`` (a direct RPC),
+    ``"coordinator"`` (the coordinator's directory) or ``"down"`` (marked down: an
+    error value, no RPC).
     """
 
     def __init__(self) -> None:
@@ -92,6 +93,7 @@ class FleetLookup(dict[str, "int | KVCacheError"]):
         """The servers that did not answer, with why."""
         return {k: v for k, v in self.items() if not isinstance(v, int)}
 
+
 class Fleet:
     """Many LMCache servers as one async object (see the module docstring).
 
@@ -103,7 +105,12 @@ class Fleet:
         api_key: HTTP API key for every server (lmcache >= 0.5.7), resolved like
             :func:`~lmkv_async.connect`'s.
         coordinator_url: LMCache's coordinator (0.5.7); see
-            :mod:`lmkv_async.coordinator`.
+            :mod:`lmkv_async.coordinator`. It maps the configured servers to its
+            instances; it adds servers only as ``discover`` allows.
+        discover: which servers the coordinator lists may join the fleet (and so get
+            its API key and a data path): ``False`` (the default) none, ``True`` every
+            one, or a collection of allowed instance ids and ``"host:port"`` HTTP
+            addresses.
         timeout: default deadline of :meth:`lookup` / :meth:`best`, seconds.
         connect_timeout: deadline of a member's join (and of each re-join probe).
         data_timeout: default deadline of the data-path contexts.
@@ -111,12 +118,13 @@ class Fleet:
         registration: ``"auto"`` registers a member's light session only on servers
             with no registration for the model (a lookup needs one);
             ``"always"`` / ``"never"``.
-        audit_interval: seconds between ``/status`` audits of event-following members.
-        strict_index: answer a member from the index only if its server had no
-            engine-driven store at all before the fleet attached (the server counts
-            them for every model together; their objects emit no event). By default
-            those earlier stores are assumed gone or of other models; stores that
-            happen while the fleet is attached always switch the member to lookups.
+        audit_interval: seconds between ``/status`` audits of event-following members
+            (the index answers for a member only with an audit at most two intervals old).
+        allow_stale_index: trade staleness for speed: answer every member that follows
+            its events from the index, even when its server holds objects the index
+            cannot know (engine-driven stores by others, before or after the fleet
+            attached; a lost range of events). Such answers may be too low. By
+            default (False) those members are asked directly.
         probe_backoff: first and longest delay between probes of a down member.
     """
 
@@ -135,7 +143,8 @@ class Fleet:
         registration: Registration = "auto",
         audit_interval: float = 1.0,
         probe_backoff: tuple[float, float] = (0.1, 5.0),
-        strict_index: bool = False,
+        allow_stale_index: bool = False,
+        discover: bool | Collection[str] = False,
     ) -> None:
         if servers is None:
             servers = {}
@@ -161,8 +170,18 @@ class Fleet:
         self.registration: Registration = registration
         self.audit_interval = check_timeout(audit_interval, 1.0)
         self.probe_backoff = probe_backoff
-        self.strict_index = bool(strict_index)
-        self._api_key_arg = api_key
+        self.allow_stale_index = bool(allow_stale_index)
+        if isinstance(discover, str) or not (
+                isinstance(discover, bool) or (isinstance(discover, Collection)
+                                               and all(isinstance(d, str) for d in discover))):
+            raise InvalidInputError("discover must be a bool or a collection of instance ids "
+                                    "and host:port addresses")
+        if not servers and discover is False:
+            raise InvalidInputError("a fleet with no servers needs discover=True or an "
+                                    "allowlist to take its servers from the coordinator")
+        self.discover: bool | frozenset[str] = (
+            discover if isinstance(discover, bool) else frozenset(discover))
+        # Held in an ApiKey: never in a repr, a log line or a message.
         self._api_key = resolve_api_key(api_key)
         self.coordinator_url = coordinator_url
         self.chunk_size = 0
@@ -173,10 +192,11 @@ class Fleet:
         self._rr = itertools.count()
         #: called as ``f(member_name, hashes, tokens)`` after a store through the fleet
         #: (the vLLM-event publisher announces them: they emit no LMCache event)
-        self._own_store_listeners: list[Callable[[str, Sequence[bytes], Sequence[int]], None]] = []
+        self._own_store_listeners: list[OwnStoreListener] = []
         self._state: Literal["new", "open", "closed"] = "new"
         self._late_joins: set[asyncio.Task[None]] = set()
-        self.coordinator: Any = None
+        self._closer = Once()
+        self.coordinator: FleetCoordinator | None = None
 
     def __repr__(self) -> str:
         up = sum(1 for m in self._members.values() if m.state == "up")
@@ -191,25 +211,45 @@ class Fleet:
         """
         if self._state != "new":
             return self
-        if self.coordinator_url:
-            from .coordinator import attach_coordinator
-
-            # Before the state is "open": members it adds are joined below, once.
-            await attach_coordinator(self)
-        self._state = "open"
-        await asyncio.gather(*(m._join() for m in self._members.values()))
+        try:
+            if self.coordinator_url:
+                # Before the state is "open": members it adds are joined below, once.
+                self.coordinator = await attach_coordinator(self, self.coordinator_url,
+                                                            self.discover)
+            self._state = "open"
+            await asyncio.gather(*(m._join() for m in self._members.values()))
+        except BaseException:
+            # Cancelled while opening (``async with`` then never calls __aexit__):
+            # close what joined, shielded.
+            await self.aclose()
+            raise
         return self
 
+    @property
+    def api_key(self) -> ApiKey | None:
+        """The HTTP API key (an :class:`~lmkv_async.http.ApiKey`: it never shows itself)."""
+        return self._api_key
+
     async def aclose(self) -> None:
-        """Close every member: no lock, session or registration stays on any server."""
-        if self._state == "closed":
-            return
+        """Close every member: no lock, session or registration stays on any server.
+
+        Shielded, bounded and idempotent: the caller's cancellation (``Task.cancel``,
+        ``asyncio.timeout``, ``wait_for``, an anyio cancel scope) does not cut the
+        cleanup short; it runs to its end and the cancellation is raised after. A
+        second call (also after a cut-short first one) waits for the same cleanup.
+        """
+        await self._closer.run(self._teardown)
+
+    async def _teardown(self) -> None:
         self._state = "closed"
+        for member in self._members.values():
+            member.state = "closed"  # joins still running stop at their next step
         for task in list(self._late_joins):
             task.cancel()
-        await asyncio.gather(*self._late_joins, return_exceptions=True)
+        if self._late_joins:
+            await asyncio.wait(list(self._late_joins), timeout=self.connect_timeout)
         if self.coordinator is not None:
-            await self.coordinator.aclose()
+            await asyncio.gather(self.coordinator.aclose(), return_exceptions=True)
         await asyncio.gather(*(m.aclose() for m in self._members.values()),
                              return_exceptions=True)
 
@@ -224,6 +264,8 @@ class Fleet:
         """Add a server (before :meth:`open`, or later: it then joins in the background)."""
         if name in self._members:
             raise InvalidInputError(f"fleet already has a member named {name!r}")
+        if self._state == "closed":
+            raise ClosedError("fleet is closed")
         member = FleetMember(self, name, url, http_url)
         self._members[name] = member
         if self._state == "open":
@@ -257,12 +299,14 @@ class Fleet:
                      ) -> FleetLookup:
         """The cached prefix of ``tokens`` on every member, under one deadline.
 
-        ``source="auto"`` answers synced members from the index and the others with
-        a direct lookup; ``"lookup"`` asks every server; ``"index"`` answers only
-        from the index (unsynced members get an error value); ``"coordinator"`` asks
-        the coordinator's directory for the members it knows (within half the time
-        left) and answers the rest, or all of them when it fails, as ``"auto"`` does;
-        after a failure it is skipped for a second.
+        ``source="auto"`` answers synced members (:attr:`FleetMember.synced`: by
+        default, only those whose index provably holds everything their server
+        holds) from the index and the others with a direct lookup; ``"lookup"`` asks
+        every server; ``"index"`` answers only from the index (unsynced members get an
+        error value); ``"coordinator"`` asks the coordinator's directory for the
+        members it knows (within half the time left) and answers the rest, or all
+        of them when it fails, as ``"auto"`` does; after a failure it is skipped for
+        a second.
         A member that did not answer within the deadline gets a
         :class:`ServerTimeoutError` value; a member marked down gets a
         :class:`ServerUnavailableError` value at once.
@@ -278,7 +322,8 @@ class Fleet:
             raise InvalidInputError(f"unknown source {source!r}")
         if self._state != "open":
             raise ClosedError(f"fleet is {self._state}")
-        deadline = time.monotonic() + t
+        started = time.monotonic()
+        deadline = started + t
         out = FleetLookup()
         C = self.chunk_size
         n = len(toks) // C * C if C else 0
@@ -303,7 +348,7 @@ class Fleet:
         direct: dict[str, asyncio.Task[int | KVCacheError]] = {}
         # Release steps of the direct lookups wait until all of them are answered.
         release_gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        synced = []
+        candidates = []
         for name, member in self._members.items():
             if name in out:
                 continue  # answered by the coordinator
@@ -311,15 +356,36 @@ class Fleet:
                 out[name], out.sources[name] = member._down_error(), "down"
             elif n == 0:
                 out[name], out.sources[name] = 0, "lookup"
-            elif source in ("auto", "index") and member.synced and member.connected:
-                synced.append(name)
+            elif source in ("auto", "index") and member.sync.candidate:
+                candidates.append(name)
             elif source == "index":
-                out[name] = UnsupportedOperationError("not synced with its event stream",
-                                                      server=member.url)
+                out[name] = UnsupportedOperationError(
+                    f"the index cannot answer for it: {member.sync.why_not()}",
+                    server=member.url)
                 out.sources[name] = "index"
             else:
                 direct[name] = asyncio.ensure_future(
                     member._direct(toks, salt, n, deadline, release_gate))
+        synced = []
+        if candidates:
+            # By default the index answers only with proof from an audit sent during
+            # this call (shared by concurrent calls), within half the time left: a
+            # member it cannot prove is then asked directly.
+            prove_by = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+            proofs = await asyncio.gather(*(self._members[k].sync.prove(started, prove_by)
+                                            for k in candidates))
+            for name, ok in zip(candidates, proofs, strict=True):
+                member = self._members[name]
+                if ok and member.connected:
+                    synced.append(name)
+                elif source == "index":
+                    out[name] = UnsupportedOperationError(
+                        f"the index cannot answer for it: {member.sync.why_not()}",
+                        server=member.url)
+                    out.sources[name] = "index"
+                else:
+                    direct[name] = asyncio.ensure_future(
+                        member._direct(toks, salt, n, deadline, release_gate))
         if synced:
             packed = token_bytes(toks[:n])
             for name, chunks in self._index.longest(packed, n // C, salt, synced).items():
@@ -378,7 +444,13 @@ class Fleet:
             names = sorted(order, key=lambda k: self._members[k].in_flight)
         return names[0], top
 
-    async def _note_store(self, name: str, toks: list[int], salt: str, chunks: int) -> None:
+    def _adopt_chunk_size(self, chunk_size: int) -> None:
+        if self.chunk_size == 0:
+            self.chunk_size = chunk_size
+            self._index = PrefixIndex(chunk_size)
+
+    async def _note_store(self, name: str, toks: list[int], salt: str,
+                          chunks: int) -> list[bytes]:
         C = self.chunk_size
         if HAVE_NATIVE_BLAKE3:
             hashes = self._index.add_own(name, toks, salt, chunks)  # ~6 us a chunk
@@ -391,6 +463,7 @@ class Fleet:
                 listener(name, hashes, toks[: chunks * C])
             except Exception:  # a listener's bug must not fail the caller's store
                 log.exception("own-store listener failed")
+        return hashes
 
     @property
     def index(self) -> PrefixIndex:

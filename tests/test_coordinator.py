@@ -17,6 +17,7 @@ import pytest
 import torch
 from servers import ServerPool, leak_report, server_python
 from storer import LmcacheStorer, astore
+from timing import SETTLE, SLACK
 
 import lmkv_async as lmkv
 from lmkv_async.coordinator import prefix_by_instance
@@ -55,7 +56,7 @@ def coordinated(server_pool: ServerPool) -> Iterator[tuple[LocalCoordinator,
                                l1_size_gb=0.1, extra_args=coord.server_args(instance_id=name))
             servers[name] = LocalServer(cfg, log_path=server_pool.log_dir / f"{name}.log")
             servers[name].start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 10 * SLACK
         while len(coord.instances()) < len(NAMES):
             assert time.monotonic() < deadline, "servers did not register"
             time.sleep(0.2)
@@ -66,7 +67,8 @@ def coordinated(server_pool: ServerPool) -> Iterator[tuple[LocalCoordinator,
         coord.stop()
 
 
-async def _settle(fleet: lmkv.Fleet, seq: list[int], timeout: float = 10.0) -> lmkv.FleetLookup:
+async def _settle(fleet: lmkv.Fleet, seq: list[int], timeout: float = 2 * SETTLE
+                  ) -> lmkv.FleetLookup:
     """The directory is fed asynchronously (event flushes): wait until it agrees."""
     deadline = time.monotonic() + timeout
     while True:
@@ -87,9 +89,9 @@ async def test_discovery_directory_answers_and_fallback(
     rng = random.Random(11)
     storer = LmcacheStorer(servers["co-a"], model)
     try:
-        # No servers given: the coordinator names them.
+        # No servers given: the coordinator names them (discover=True allows them all).
         async with lmkv.Fleet(None, model_name=model, layout=LAYOUT,
-                              coordinator_url=coord.url) as fleet:
+                              coordinator_url=coord.url, discover=True) as fleet:
             assert set(fleet.members) == set(NAMES)
             assert {m.url for m in fleet.members.values()} == {s.url for s in servers.values()}
             lm = rng.choices(range(2**31), k=3 * C)
@@ -115,7 +117,7 @@ async def test_discovery_directory_answers_and_fallback(
             try:
                 t0 = time.monotonic()
                 res = await fleet.lookup(lm, source="coordinator", timeout=1.0)
-                assert time.monotonic() - t0 < 1.0 + 0.3
+                assert time.monotonic() - t0 < 1.0 + SLACK
                 assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
                 assert "coordinator" not in res.sources.values()
             finally:
@@ -124,7 +126,7 @@ async def test_discovery_directory_answers_and_fallback(
             coord.kill()
             t0 = time.monotonic()
             res = await fleet.lookup(lm, source="coordinator", timeout=1.0)
-            assert time.monotonic() - t0 < 1.0 + 0.3
+            assert time.monotonic() - t0 < 1.0 + SLACK
             assert dict(res) == {"co-a": 3 * C, "co-b": 0, "co-c": 0}
             assert "coordinator" not in res.sources.values()
             assert await fleet.best(lm, source="coordinator") == ("co-a", 3 * C)
@@ -132,7 +134,7 @@ async def test_discovery_directory_answers_and_fallback(
         # (a member joined twice once leaked a registered session here).
         await asyncio.to_thread(storer.close)
         for name, srv in servers.items():
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + SETTLE
             while leak_report(await asyncio.to_thread(srv.status)):
                 assert time.monotonic() < deadline, (name, leak_report(srv.status()))
                 await asyncio.sleep(0.1)
@@ -140,3 +142,56 @@ async def test_discovery_directory_answers_and_fallback(
         await asyncio.to_thread(storer.close)
         if not coord.is_running():
             coord.start()  # for other tests of the module
+
+
+@pytest.mark.anyio
+async def test_discovered_servers_join_only_when_allowed(
+        coordinated: tuple[LocalCoordinator, dict[str, LocalServer]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator lists every server that registered with it; a server the fleet
+    was not given joins (and is sent the API key, and a data path) only when
+    ``discover`` allows it, and one that is not allowed is never contacted."""
+    import lmkv_async.coordinator as coordinator_mod
+    from lmkv_async.http import HttpClient
+
+    coord, servers = coordinated
+    contacted: list[tuple[str, bool]] = []
+
+    class Spy(HttpClient):
+        def __init__(self, base_url: str, **kwargs: Any) -> None:
+            contacted.append((base_url, kwargs.get("api_key") is not None))
+            super().__init__(base_url, **kwargs)
+
+    monkeypatch.setattr(coordinator_mod, "HttpClient", Spy)
+    # The coordinator may have been restarted by another test: wait for its list.
+    deadline = time.monotonic() + 10 * SLACK
+    while len(await asyncio.to_thread(coord.instances)) < len(NAMES):
+        assert time.monotonic() < deadline, "servers did not register again"
+        await asyncio.sleep(0.2)
+    a = servers["co-a"]
+    given = {"co-a": (a.url, a.http_url)}
+    model = f"coord-{time.monotonic_ns()}"
+    kw: dict[str, Any] = {"model_name": model, "layout": LAYOUT, "coordinator_url": coord.url,
+                          "api_key": "k-not-checked-by-these-servers"}
+    # Default: only the configured server; the others are not asked anything.
+    async with lmkv.Fleet(given, **kw) as fleet:
+        assert set(fleet.members) == {"co-a"}
+    assert {u for u, _ in contacted} == {a.http_url}
+    # An allowlist: by instance id, or by host:port.
+    contacted.clear()
+    b, c = servers["co-b"], servers["co-c"]
+    c_addr = c.http_url.split("//", 1)[1]
+    async with lmkv.Fleet(given, discover={"co-b", c_addr}, **kw) as fleet:
+        assert set(fleet.members) == {"co-a", "co-b", "co-c"}
+    async with lmkv.Fleet(given, discover={"co-b"}, **kw) as fleet:
+        assert set(fleet.members) == {"co-a", "co-b"}
+    assert c.http_url in {u for u, _ in contacted}  # only while allowed
+    contacted.clear()
+    async with lmkv.Fleet(given, discover={"co-b"}, **kw) as fleet:
+        pass
+    assert {u for u, _ in contacted} == {a.http_url, b.http_url}
+    # Without servers, the fleet must be told to trust the coordinator's list.
+    with pytest.raises(lmkv.InvalidInputError):
+        lmkv.Fleet(None, model_name=model, layout=LAYOUT, coordinator_url=coord.url)
+    with pytest.raises(lmkv.InvalidInputError):
+        lmkv.Fleet(given, discover="co-b", **kw)  # a string is not a collection of names
