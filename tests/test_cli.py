@@ -98,7 +98,8 @@ def test_console_script_and_extra_are_declared() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["scripts"]["lmkv"] == "lmkv_async.__main__:main"
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in meta["dependencies"]}
-    assert names == {"torch", "pyzmq", "httpx", "anyio", "msgpack"}  # no CLI deps in the core
+    # no CLI deps in the core (blake3: the server's chunk hash, for the fleet's index)
+    assert names == {"torch", "pyzmq", "httpx", "anyio", "msgpack", "blake3"}
     cli = {d.split(">")[0].strip() for d in meta["optional-dependencies"]["cli"]}
     assert {"typer", "rich"} <= cli
     from lmkv_async.__main__ import main
