@@ -165,6 +165,8 @@ class VllmEventPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self.published = 0  # batches
         self.blocks = 0  # BlockStored block hashes sent
+        self.subscriptions = 0  # subscribe messages received (XPUB drops duplicates)
+        self._subscribed = asyncio.Event()
         self._check_block_size()
 
     def __repr__(self) -> str:
@@ -185,9 +187,13 @@ class VllmEventPublisher:
     async def start(self) -> VllmEventPublisher:
         """Bind the sockets and start following the member's events."""
         self._check_block_size()  # before any socket: a bad size sends nothing
-        self._pub = self._ctx.socket(zmq.PUB)
+        # XPUB: sends exactly what a PUB does, and also tells us when a consumer's
+        # subscription arrived (wait_subscribed), which a PUB cannot.
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(self.endpoint)
+        self._tasks.append(asyncio.create_task(self._watch_subscriptions(),
+                                               name="lmkv-vllm-subs"))
         if self.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
@@ -209,6 +215,14 @@ class VllmEventPublisher:
             if sock is not None:
                 sock.close()
         self._pub = self._replay = None
+
+    async def wait_subscribed(self, timeout: float) -> None:
+        """Wait until a consumer has subscribed (batches before that are only in the
+        replay buffer: PUB/SUB delivers nothing to a subscriber that has not joined).
+
+        Raises :class:`TimeoutError` after ``timeout`` seconds.
+        """
+        await asyncio.wait_for(self._subscribed.wait(), timeout)
 
     async def __aenter__(self) -> VllmEventPublisher:
         return await self.start()
@@ -395,6 +409,15 @@ class VllmEventPublisher:
                 log.info("event stream of %s failed (%s); resubscribing", self.member.name, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    async def _watch_subscriptions(self) -> None:
+        sock = self._pub
+        assert sock is not None
+        while True:
+            msg = await sock.recv()
+            if msg[:1] == b"\x01":
+                self.subscriptions += 1
+                self._subscribed.set()
 
     async def _serve_replay(self) -> None:
         sock = self._replay
