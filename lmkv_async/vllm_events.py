@@ -337,6 +337,8 @@ class VllmEventPublisher:
             elif ev.discard:
                 self._waiting.clear()
                 self._n_waiting = 0
+                if not self._announced:
+                    continue  # a consumer has nothing of ours to forget
                 if self._reset == "clear":
                     self._announced.clear()
                     out.append(VllmAllBlocksCleared())
