@@ -22,8 +22,9 @@ Two router-consumer environments are built the same way for the tests of
 
     .nox/dynamo-indexer   ai-dynamo + ai-dynamo-runtime 1.6.1 (--no-deps) + pydantic
     .nox/vllm-hash        the vllm 0.33.0 wheel (--no-deps) + what its hashing imports
+    .nox/vllm-router      vllm-router 0.1.17
 
-exported as ``LMKV_DYNAMO_PYTHON`` / ``LMKV_VLLM_HASH_PYTHON``.
+exported as ``LMKV_DYNAMO_PYTHON`` / ``LMKV_VLLM_HASH_PYTHON`` / ``LMKV_VLLM_ROUTER_PYTHON``.
 lmcache is never installed into a library session. Their interpreters are
 exported as ``LMKV_LMCACHE_PYTHON_056`` / ``_052`` / ``_057RC2``, which
 ``lmkv_async.testing.find_server_python`` reads (nothing else finds them).
@@ -137,6 +138,10 @@ VLLM_HASH_STEPS: tuple[tuple[str, ...], ...] = (
      "xgrammar", "fastapi", "partial-json-parser", "llguidance"),
 )
 
+# vllm-router (the vLLM project's Rust router): its kv_aware policy subscribes to
+# vLLM KV-event streams; the wheel's own dependencies are small (fastapi, aiohttp, ...).
+VLLM_ROUTER_STEPS: tuple[tuple[str, ...], ...] = (("vllm-router==0.1.17",),)
+
 
 def tool_env_python(session: nox.Session, name: str, steps: tuple[tuple[str, ...], ...],
                     check: str) -> str:
@@ -176,6 +181,8 @@ def consumer_envs(session: nox.Session) -> dict[str, str]:
             session, "vllm-hash", VLLM_HASH_STEPS,
             "from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash; "
             "from vllm.utils.hashing import sha256_cbor"),
+        "LMKV_VLLM_ROUTER_PYTHON": tool_env_python(
+            session, "vllm-router", VLLM_ROUTER_STEPS, "import vllm_router.launch_router"),
     }
 
 
