@@ -6,7 +6,7 @@
     nox -s demo           # examples/demo.py against a real server it starts
     nox -s bench          # benchmarks/bench_*.py with the server envs exported
     nox -s docs           # the docs site (mkdocs --strict) into site/
-    nox -s server-envs    # only build/verify the three lmcache server environments
+    nox -s server-envs    # only build/verify the lmcache server + router-consumer envs
 
 Real lmcache servers run from three dedicated environments, built on first use
 and reused across sessions and runs:
@@ -16,6 +16,15 @@ and reused across sessions and runs:
     .nox/lmcache-server-057rc2   torch==2.13.0 + lmcache==0.5.7rc2 (grpc, OpenTelemetry, ...)
 
 (``.installed`` marks a finished build; about 1.5-2 min each from PyPI).
+
+Two router-consumer environments are built the same way for the tests of
+``lmkv_async.vllm_events`` (tests/test_dynamo.py, tests/test_vllm_hash.py):
+
+    .nox/dynamo-indexer   ai-dynamo + ai-dynamo-runtime 1.6.1 (--no-deps) + pydantic
+    .nox/vllm-hash        the vllm 0.33.0 wheel (--no-deps) + what its hashing imports
+    .nox/vllm-router      vllm-router 0.1.17
+
+exported as ``LMKV_DYNAMO_PYTHON`` / ``LMKV_VLLM_HASH_PYTHON`` / ``LMKV_VLLM_ROUTER_PYTHON``.
 lmcache is never installed into a library session. Their interpreters are
 exported as ``LMKV_LMCACHE_PYTHON_056`` / ``_052`` / ``_057RC2``, which
 ``lmkv_async.testing.find_server_python`` reads (nothing else finds them).
@@ -102,6 +111,81 @@ def server_envs(session: nox.Session) -> dict[str, str]:
     return env
 
 
+# --------------------------------------------------------------------------- consumer envs
+# Real third-party consumers of lmkv_async.vllm_events, each in its own venv built
+# like the server envs (never a library session): Dynamo's standalone KV indexer
+# and vLLM's own block-hash code. Their interpreters are exported to the tests as
+# LMKV_DYNAMO_PYTHON / LMKV_VLLM_HASH_PYTHON; a test that needs one FAILS without it.
+
+DYNAMO_VERSION = "1.6.1"
+VLLM_VERSION = "0.33.0"
+
+# What `python -m dynamo.indexer` imports at start-up (measured: only pydantic, in the
+# range ai-dynamo-runtime pins; msgspec and pyzmq are what its Python side lists).
+DYNAMO_STEPS: tuple[tuple[str, ...], ...] = (
+    ("--no-deps", f"ai-dynamo=={DYNAMO_VERSION}", f"ai-dynamo-runtime=={DYNAMO_VERSION}"),
+    ("pydantic>=2.10.6,<=2.13.5", "msgspec>=0.19", "pyzmq>=26"),
+)
+# vllm.v1.core.kv_cache_utils (hash_block_tokens, init_none_hash) imports vllm.config
+# and friends: these are the packages that import chain needs (measured one by one),
+# with the wheel itself --no-deps (its pins want a CUDA torch).
+VLLM_HASH_STEPS: tuple[tuple[str, ...], ...] = (
+    (TORCH,),
+    ("--no-deps", f"vllm=={VLLM_VERSION}"),
+    (TORCH, "cbor2", "packaging", "pydantic", "regex", "numpy", "psutil", "pyzmq", "urllib3",
+     "transformers", "aiohttp", "requests", "openai-harmony", "openai", "pillow", "pybase64",
+     "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo", "prometheus-client",
+     "xgrammar", "fastapi", "partial-json-parser", "llguidance"),
+)
+
+# vllm-router (the vLLM project's Rust router): its kv_aware policy subscribes to
+# vLLM KV-event streams; the wheel's own dependencies are small (fastapi, aiohttp, ...).
+VLLM_ROUTER_STEPS: tuple[tuple[str, ...], ...] = (("vllm-router==0.1.17",),)
+
+
+def tool_env_python(session: nox.Session, name: str, steps: tuple[tuple[str, ...], ...],
+                    check: str) -> str:
+    """Build ``.nox/<name>`` (pip install each step in order) if needed; return its python.
+
+    Same contract as :func:`server_env_python`: ``.installed`` holds the spec it was
+    built with, a lock serialises concurrent builders, ``check`` must import.
+    """
+    env_dir = SERVER_ENV_ROOT / name
+    python = env_dir / "bin" / "python"
+    marker = env_dir / ".installed"
+    spec = " | ".join(" ".join(step) for step in steps)
+    with _file_lock(SERVER_ENV_ROOT / f"{name}.lock"):
+        if marker.exists() and python.exists() and marker.read_text().strip() == spec:
+            session.log(f"{name} env: reusing {env_dir}")
+            return str(python)
+        session.log(f"building the {name} env in {env_dir}")
+        t0 = time.monotonic()
+        if env_dir.exists():
+            shutil.rmtree(env_dir)
+        session.run(sys.executable, "-m", "venv", str(env_dir), external=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        for step in steps:
+            session.run(*pip, *step, external=True)
+        session.run(str(python), "-c", check, external=True, silent=True)
+        marker.write_text(spec + "\n")
+        session.log(f"{name} env built in {time.monotonic() - t0:.0f}s")
+        return str(python)
+
+
+def consumer_envs(session: nox.Session) -> dict[str, str]:
+    """Build the router-consumer envs; return the env vars that point the tests at them."""
+    return {
+        "LMKV_DYNAMO_PYTHON": tool_env_python(
+            session, "dynamo-indexer", DYNAMO_STEPS, "import dynamo.llm, dynamo.indexer"),
+        "LMKV_VLLM_HASH_PYTHON": tool_env_python(
+            session, "vllm-hash", VLLM_HASH_STEPS,
+            "from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash; "
+            "from vllm.utils.hashing import sha256_cbor"),
+        "LMKV_VLLM_ROUTER_PYTHON": tool_env_python(
+            session, "vllm-router", VLLM_ROUTER_STEPS, "import vllm_router.launch_router"),
+    }
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -149,6 +233,7 @@ def run_pytest(session: nox.Session, marker: str) -> None:
     """
     install_package(session, "[test]")
     env = server_envs(session)
+    env.update(consumer_envs(session))
     tmp = Path(session.create_tmp())
     logs = tmp / "server-logs"
     shutil.rmtree(logs, ignore_errors=True)
@@ -225,7 +310,9 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(name="server-envs", python=False)
 def server_envs_session(session: nox.Session) -> None:
-    """Only build (or verify) the lmcache server environments."""
+    """Only build (or verify) the lmcache server and router-consumer environments."""
+    for key, value in consumer_envs(session).items():
+        session.log(f"{key}={value}")
     for key, value in server_envs(session).items():
         out = subprocess.run(
             [value, "-c", "import lmcache; print(lmcache.__version__)"],

@@ -19,7 +19,15 @@ Geometry: L=2, NH=2, HS=64, bf16, chunk 256; 4 x lmcache 0.5.7rc2 with a
 coordinator, an lmcache-driven engine registration per server (the SDK needs it);
 prompts of 1-4 chunks spread over the servers, plus misses.
 
+The vLLM-event publisher (``lmkv_async.vllm_events``) is measured on the same
+fleet: LMCache ``KVStored`` records of 4-chunk stores go through
+``translate`` + ``publish`` (msgpack batch, XPUB send) of a started publisher of
+member s0, at the router block size 16 in both hash modes and at the chunk size
+(the stream before block splitting), reported as blocks (events) per second and
+microseconds per block. ``--publisher-only`` runs just that, on one server.
+
     python benchmarks/bench_fleet.py [--n 300] [--out benchmarks/results/fleet.json]
+    python benchmarks/bench_fleet.py --publisher-only
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ from lmkv_async.testing import (
     server_env,
 )
 from lmkv_async.testing.coordinator import LocalCoordinator
-from lmkv_async.wire.hashing import HAVE_NATIVE_BLAKE3
+from lmkv_async.vllm_events import VllmEventPublisher
+from lmkv_async.wire.events import KVStored
+from lmkv_async.wire.hashing import HAVE_NATIVE_BLAKE3, chunk_hashes
 
 VERSION = "0.5.7rc2"
 GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}
@@ -147,6 +157,62 @@ async def measure(fleet: lmkv.Fleet, queries: list[list[int]], n: int, concurren
     return out
 
 
+async def publisher_rates(member: lmkv.FleetMember, tmp: Path, stores: int,
+                          seed: int) -> dict[str, Any]:
+    """Blocks/s through a started publisher's translate + publish, per configuration."""
+    rng = random.Random(seed)
+    out: dict[str, Any] = {}
+    for label, kw in (("B16_dynamo", {"block_size": 16, "hash_mode": "dynamo"}),
+                      ("B16_vllm", {"block_size": 16, "hash_mode": "vllm"}),
+                      ("B256_dynamo", {"block_size": C, "hash_mode": "dynamo"})):
+        # Fresh prompts per configuration (a publisher announces a chunk once).
+        batches = []
+        for _ in range(stores):
+            toks = rng.choices(range(150_000), k=4 * C)
+            hs = chunk_hashes(toks, C)
+            batches.append([KVStored(0, MODEL, (h,), hs[i - 1] if i else None,
+                                     tuple(toks[i * C:(i + 1) * C]), "CPU")
+                            for i, h in enumerate(hs)])
+        pub = VllmEventPublisher(member, endpoint=f"ipc://{tmp}/bench-pub-{label}",
+                                 **kw)  # type: ignore[arg-type]
+        await pub.start()
+        try:
+            t0 = time.perf_counter()
+            for batch in batches:
+                pub.publish(pub.translate(batch))
+            wall = time.perf_counter() - t0
+        finally:
+            await pub.aclose()
+        out[label] = {"blocks": pub.blocks, "batches": pub.published,
+                      "blocks_per_s": pub.blocks / wall,
+                      "us_per_block": 1e6 * wall / pub.blocks,
+                      "us_per_chunk": 1e6 * wall / (4 * stores)}
+    return out
+
+
+async def publisher_only(args: argparse.Namespace) -> dict[str, Any]:
+    python = find_server_python(VERSION)
+    if python is None:
+        raise SystemExit(f"set LMKV_LMCACHE_PYTHON_057RC2 to the lmcache {VERSION} interpreter")
+    tmp = Path(tempfile.mkdtemp(prefix="lmkv-bench-pub-"))
+    srv = LocalServer(ServerConfig(version=VERSION, python=python, l1_size_gb=0.1),
+                      log_path=tmp / "s0.log")
+    srv.start()
+    try:
+        async with lmkv.Fleet({"s0": (srv.url, srv.http_url)}, model_name=MODEL,
+                              layout=LAYOUT) as fleet:
+            return await publisher_rates(fleet["s0"], tmp, args.publisher_stores, args.seed)
+    finally:
+        srv.stop()
+
+
+def print_publisher(res: dict[str, Any]) -> None:
+    print(f"{'publisher':<12} {'blocks/s':>10} {'us/block':>9} {'us/chunk':>9}")
+    for label, r in res.items():
+        print(f"{label:<12} {r['blocks_per_s']:>10.0f} {r['us_per_block']:>9.2f} "
+              f"{r['us_per_chunk']:>9.1f}")
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     python = find_server_python(VERSION)
     if python is None:
@@ -203,6 +269,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                           args.deadline)
                 finally:
                     frozen.resume()
+                publisher = await publisher_rates(fleet["s0"], tmp, args.publisher_stores,
+                                                  args.seed)
                 sdk_f = await asyncio.to_thread(run_sdk, servers, queries, args.fault_sdk_n,
                                                 args.sdk_timeout, frozen, tmp)
                 fault["sdk_seq"] = {**stats(sdk_f["samples"]),
@@ -212,7 +280,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for srv in servers:
                 srv.stop()
             coord.stop()
-    return {"healthy": healthy, "one_frozen": fault}
+    return {"healthy": healthy, "one_frozen": fault, "publisher": publisher}
 
 
 def main() -> int:
@@ -224,13 +292,21 @@ def main() -> int:
     p.add_argument("--fault-sdk-n", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet.json"))
+    p.add_argument("--publisher-stores", type=int, default=500,
+                   help="4-chunk stores per publisher configuration")
+    p.add_argument("--publisher-only", action="store_true",
+                   help="only the vLLM-event publisher rates (one server; prints, no file)")
     args = p.parse_args()
+    if args.publisher_only:
+        print_publisher(asyncio.run(publisher_only(args)))
+        return 0
     res = asyncio.run(main_async(args))
     command = "python benchmarks/bench_fleet.py " + " ".join(sys.argv[1:])
     h = res["healthy"]
     targets = {
         "index_p99_below_1ms": h["index"]["p99_ms"] < 1.0,
         "fanout_p99_below_2x_single_p99": h["fanout"]["p99_ms"] < 2 * h["single"]["p99_ms"],
+        "publisher_B16_below_5us_per_block": res["publisher"]["B16_dynamo"]["us_per_block"] < 5,
     }
     load = os.getloadavg()
     doc = {"command": command.strip(), "lmcache": VERSION, "servers": SERVERS,
@@ -243,11 +319,14 @@ def main() -> int:
     print(f"{'case':<11} {'mode':<12} {'median ms':>10} {'p99 ms':>9} {'answers/s':>10} "
           f"{'client cpu ms':>14}")
     for case, modes in res.items():
+        if case == "publisher":
+            continue
         for mode in ("single", "fanout", "index", "coordinator", "sdk_seq"):
             r = modes[mode]
             cpu = r.get("client_cpu_ms_per_call")
             print(f"{case:<11} {mode:<12} {r['median_ms']:>10.3f} {r['p99_ms']:>9.3f} "
                   f"{r['answers_per_s']:>10.0f} {'' if cpu is None else f'{cpu:.3f}':>14}")
+    print_publisher(res["publisher"])
     print("targets:", targets)
     print(f"reproduce: {doc['command']}   (results: {args.out})")
     return 0

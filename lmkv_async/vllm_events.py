@@ -7,27 +7,36 @@ router learn what is cached from vLLM's ZMQ stream of msgpack ``EventBatch``\\es
 exactly that stream: a PUB socket sending ``[topic, seq, payload]`` and a ROUTER
 socket answering replay requests from a sequence number (the message layout is in
 :mod:`lmkv_async.wire.events`). One publisher per server, like one vLLM engine per
-endpoint: a consumer keys what it learns by endpoint.
+endpoint: a consumer keys what it learns by endpoint (Dynamo: by the worker id it
+was given for that endpoint, so give it the id of the engine that loads from this
+server; docs/routers.md).
 
-Mapping (docs/fleet.md has the full table):
+A router runs at its engines' block size ``B``; LMCache stores chunks of ``C``
+tokens (``B`` must divide ``C``). Each chunk is announced as ``C/B`` blocks of
+``B`` tokens, named by ``hash_mode`` (:mod:`lmkv_async._vllm_hash`):
 
-* ``KVStored`` -> ``BlockStored(block_hashes, parent_block_hash, token_ids,
-  block_size=chunk size, lora_id=None, medium="CPU", lora_name=None)``;
-* ``KVRemoved`` -> ``BlockRemoved(block_hashes, medium="CPU")``, only for hashes this
-  publisher announced (like LMCache's own vLLM adapter does);
-* a ``KVResync`` that discards (restart, lost range) -> ``BlockRemoved`` of every
-  announced hash, so consumers withdraw them;
+* ``"dynamo"``: a chain derived from LMCache's hashes (Dynamo matches prompts
+  by hashing ``token_ids`` itself); at ``B == C`` these are LMCache's hashes;
+* ``"vllm"``: vLLM's ``sha256_cbor`` block hash under ``hash_seed``, which
+  llm-d and vllm-router recompute from the prompt.
+
+Mapping:
+
+* the ``KVStored`` records of one store -> one batch of ``BlockStored``, parents
+  before children (a record whose parent is not announced yet waits for it);
+* ``KVRemoved`` -> ``BlockRemoved`` of exactly the blocks that chunk was announced as;
+* a ``KVResync`` that discards (restart, lost range) -> ``AllBlocksCleared``
+  (``reset="clear"``) or ``BlockRemoved`` of every announced block
+  (``reset="remove"``: for a publisher sharing its worker id with the engine's
+  own stream, as Dynamo 1.6.1 clears the engine's GPU blocks too on a clear);
 * stores made through the fleet (engine-driven, no LMCache event) -> ``BlockStored``
   from the fleet's own bookkeeping.
-
-Hashes are LMCache's 32-byte object hashes; ``block_hash_format="int"`` sends their
-low 64 bits as vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``. Records name
-no salt, so no ``extra_keys`` are sent.
 
 Command line (one publisher per ``--server``; ports count up from ``--port``)::
 
     python -m lmkv_async.vllm_events --model m --layers 32 --kv-heads 8 --head-dim 128 \\
-        --server gpu-0=tcp://127.0.0.1:5555,http://127.0.0.1:8080 --port 5557
+        --server gpu-0=tcp://127.0.0.1:5555,http://127.0.0.1:8080 --port 5557 \\
+        --router-block-size 16 --hash-mode dynamo
 """
 
 from __future__ import annotations
@@ -39,17 +48,26 @@ import logging
 import signal
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import zmq
 import zmq.asyncio
 
-from .errors import KVCacheError, UnsupportedOperationError
+from ._vllm_hash import (
+    VLLM_DEFAULT_SEED,
+    HashMode,
+    dynamo_chunk_blocks,
+    external_hash,
+    vllm_block_hash,
+    vllm_none_hash,
+)
+from .errors import InvalidInputError, KVCacheError, UnsupportedOperationError
 from .wire.events import (
     KVRemoved,
     KVResync,
     KVStored,
+    VllmAllBlocksCleared,
     VllmBlockRemoved,
     VllmBlockStored,
     VllmEvent,
@@ -58,15 +76,18 @@ from .wire.events import (
     encode_replay_item,
     encode_seq,
     encode_vllm_batch,
-    external_block_hash,
 )
+from .wire.hashing import hash_chunk
+from .wire.keys import token_bytes
 
 if TYPE_CHECKING:
     from .fleet import Fleet, FleetMember
 
-__all__ = ["VllmEventPublisher", "main", "publish_fleet"]
+__all__ = ["VllmEventPublisher", "dynamo_workers_arg", "main", "publish_fleet"]
 
 log = logging.getLogger("lmkv_async.vllm_events")
+
+Record = KVStored | KVRemoved | KVResync
 
 
 class VllmEventPublisher:
@@ -78,44 +99,101 @@ class VllmEventPublisher:
         endpoint: PUB address to bind, e.g. ``"tcp://127.0.0.1:5557"``.
         replay_endpoint: ROUTER address to bind for replays, or None.
         topic: the first frame of every PUB message (vLLM's ``topic``).
-        encoding: ``"array"`` (positional events, vLLM <= 0.23 and what most
-            consumers decode) or ``"map"`` (named fields, newer vLLM).
-        block_hash_format: ``"int"`` (low 64 bits) or ``"bytes"`` (all 32).
+        encoding: ``"map"`` (named fields: vLLM 0.26 and later, the default) or
+            ``"array"`` (positional events: older vLLM, llm-d 0.8).
+        block_hash_format: ``"int"`` (low 64 bits, vLLM's default and what Dynamo
+            reads) or ``"bytes"`` (all 32).
+        block_size: the router's block size ``B`` (must divide the chunk size);
+            None: the chunk size.
+        hash_mode: ``"dynamo"`` or ``"vllm"`` (see the module docstring).
+        hash_seed: the vLLM hash seed (vLLM's ``PYTHONHASHSEED``, else
+            ``"vllm-none-hash"``), for ``hash_mode="vllm"``.
+        reset: what a discarding resync sends: ``"clear"`` or ``"remove"``.
         buffer_steps: batches kept for replay.
         data_parallel_rank: the batch's ``data_parallel_rank`` field.
+        worker_id: the consumer-side worker id this stream belongs to (the engine
+            that loads from this server); only reported, see
+            :func:`dynamo_workers_arg`.
+        max_waiting: records kept while they wait for their parent.
     """
 
     def __init__(self, member: FleetMember, *, endpoint: str,
                  replay_endpoint: str | None = None, topic: str = "",
-                 encoding: Literal["array", "map"] = "array",
+                 encoding: Literal["array", "map"] = "map",
                  block_hash_format: Literal["int", "bytes"] = "int",
-                 buffer_steps: int = 10_000, data_parallel_rank: int = 0) -> None:
+                 block_size: int | None = None, hash_mode: HashMode = "dynamo",
+                 hash_seed: str = VLLM_DEFAULT_SEED,
+                 reset: Literal["clear", "remove"] = "clear",
+                 buffer_steps: int = 10_000, data_parallel_rank: int = 0,
+                 worker_id: int | None = None, max_waiting: int = 4096) -> None:
         if encoding not in ("array", "map") or block_hash_format not in ("int", "bytes"):
-            raise ValueError("encoding must be 'array'|'map', block_hash_format 'int'|'bytes'")
+            raise InvalidInputError(
+                "encoding must be 'array'|'map', block_hash_format 'int'|'bytes'")
+        if hash_mode not in ("dynamo", "vllm"):
+            raise InvalidInputError("hash_mode must be 'dynamo' or 'vllm'")
+        if reset not in ("clear", "remove"):
+            raise InvalidInputError("reset must be 'clear' or 'remove'")
+        if block_size is not None and (type(block_size) is not int or block_size <= 0):
+            raise InvalidInputError("block_size must be a positive int or None")
+        if not isinstance(hash_seed, str):
+            raise InvalidInputError("hash_seed must be a string")
+        if worker_id is not None and (type(worker_id) is not int or worker_id < 0):
+            raise InvalidInputError("worker_id must be a non-negative int or None")
         self.member = member
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        self.worker_id = worker_id
+        self.hash_mode: HashMode = hash_mode
         self._topic = topic.encode()
         self._encoding: Literal["array", "map"] = encoding
         self._fmt: Literal["int", "bytes"] = block_hash_format
+        self._reset = reset
         self._dp = data_parallel_rank
+        self._B = block_size
+        self._none = vllm_none_hash(hash_seed)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
-        self._announced: set[bytes] = set()
+        #: LMCache chunk hash -> the block hashes it was announced as (raw 32 bytes)
+        self._announced: dict[bytes, tuple[bytes, ...]] = {}
+        #: parent chunk hash -> records waiting for it to be announced
+        self._waiting: dict[bytes, list[KVStored]] = {}
+        self._n_waiting = 0
+        self._max_waiting = max_waiting
         self._ctx = zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.published = 0  # batches
+        self.blocks = 0  # BlockStored block hashes sent
+        self.subscriptions = 0  # subscribe messages received (XPUB drops duplicates)
+        self._subscribed = asyncio.Event()
+        self._check_block_size()
 
     def __repr__(self) -> str:
-        return f"<VllmEventPublisher {self.member.name} {self.endpoint} seq={self._seq}>"
+        return (f"<VllmEventPublisher {self.member.name} {self.endpoint} "
+                f"B={self._B} {self.hash_mode} seq={self._seq}>")
+
+    @property
+    def block_size(self) -> int:
+        """The router block size in use (0 until the chunk size is known)."""
+        return self._B or self.member.fleet.chunk_size
+
+    def _check_block_size(self) -> None:
+        C = self.member.fleet.chunk_size
+        if self._B is not None and C and C % self._B:
+            raise InvalidInputError(
+                f"block_size {self._B} does not divide the chunk size {C}")
 
     async def start(self) -> VllmEventPublisher:
         """Bind the sockets and start following the member's events."""
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._check_block_size()  # before any socket: a bad size sends nothing
+        # XPUB: sends exactly what a PUB does, and also tells us when a consumer's
+        # subscription arrived (wait_subscribed), which a PUB cannot.
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(self.endpoint)
+        self._tasks.append(asyncio.create_task(self._watch_subscriptions(),
+                                               name="lmkv-vllm-subs"))
         if self.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
@@ -138,6 +216,14 @@ class VllmEventPublisher:
                 sock.close()
         self._pub = self._replay = None
 
+    async def wait_subscribed(self, timeout: float) -> None:
+        """Wait until a consumer has subscribed (batches before that are only in the
+        replay buffer: PUB/SUB delivers nothing to a subscriber that has not joined).
+
+        Raises :class:`TimeoutError` after ``timeout`` seconds.
+        """
+        await asyncio.wait_for(self._subscribed.wait(), timeout)
+
     async def __aenter__(self) -> VllmEventPublisher:
         return await self.start()
 
@@ -145,46 +231,134 @@ class VllmEventPublisher:
         await self.aclose()
 
     # ------------------------------------------------------------------ translation
-    def _ext(self, h: bytes) -> int | bytes:
-        return external_block_hash(h, self._fmt)
+    def _blocks_of(self, rec: KVStored, packed: bytes, n: int) -> list[bytes] | None:
+        """Raw block hashes of one chunk record, or None if its parent is unknown."""
+        parent = rec.parent_block_hash
+        h = rec.block_hashes[0]
+        if self.hash_mode == "dynamo":
+            return dynamo_chunk_blocks(parent, h, packed, n)
+        if parent is None:
+            prev = self._none
+        else:
+            announced = self._announced.get(parent)
+            if announced is None:
+                return None
+            prev = announced[-1]
+        toks = rec.token_ids
+        B = len(toks) // n
+        out: list[bytes] = []
+        for j in range(n):
+            prev = vllm_block_hash(prev, toks[j * B:(j + 1) * B])
+            out.append(prev)
+        return out
 
-    def translate(self, ev: KVStored | KVRemoved | KVResync) -> list[VllmEvent]:
-        """vLLM events for one LMCache record (updates what was announced)."""
-        if isinstance(ev, KVStored):
-            fresh = [h for h in ev.block_hashes if h not in self._announced]
-            if not fresh or not ev.token_ids:
-                return []
-            self._announced.update(fresh)
-            parent = ev.parent_block_hash
-            return [VllmBlockStored(
-                block_hashes=tuple(self._ext(h) for h in fresh),
-                parent_block_hash=None if parent is None else self._ext(parent),
-                token_ids=ev.token_ids, block_size=self.member.fleet.chunk_size,
-                medium=ev.medium)]
-        if isinstance(ev, KVRemoved):
-            gone = [h for h in ev.block_hashes if h in self._announced]
-            if not gone:
-                return []
-            self._announced.difference_update(gone)
-            return [VllmBlockRemoved(tuple(self._ext(h) for h in gone), "CPU")]
-        if ev.discard and self._announced:
-            gone = sorted(self._announced)
-            self._announced.clear()
-            return [VllmBlockRemoved(tuple(self._ext(h) for h in gone), "CPU")]
-        return []
+    def _store(self, rec: KVStored, out: list[VllmEvent], verify_root: bool = True) -> None:
+        """Announce one single-chunk record, then any record that waited for it."""
+        stack = [rec]
+        C = self.member.fleet.chunk_size
+        B = self._B or C
+        while stack:
+            r = stack.pop()
+            h = r.block_hashes[0]
+            if h in self._announced or len(r.token_ids) != C:
+                continue
+            parent = r.parent_block_hash
+            packed = token_bytes(r.token_ids)
+            if parent is None and verify_root and hash_chunk(None, packed) != h:
+                # The server lost the parent: this chunk is not a sequence's first,
+                # and a router would take it for one. Unreachable; not announced.
+                log.debug("record %d has no known parent; not announced", r.seq)
+                continue
+            if parent is not None and parent not in self._announced:
+                self._wait(parent, r)
+                continue
+            n = C // B
+            raw = self._blocks_of(r, packed, n)
+            if raw is None:  # pragma: no cover - the parent check above covers it
+                continue
+            self._announced[h] = tuple(raw)
+            ext_parent = None
+            if parent is not None:
+                ext_parent = external_hash(self._announced[parent][-1], self._fmt)
+            out.append(VllmBlockStored(
+                block_hashes=tuple(external_hash(x, self._fmt) for x in raw),
+                parent_block_hash=ext_parent, token_ids=r.token_ids, block_size=B,
+                medium=r.medium))
+            self.blocks += n
+            children = self._waiting.pop(h, None)
+            if children:
+                self._n_waiting -= len(children)
+                stack.extend(reversed(children))
+
+    def _wait(self, parent: bytes, rec: KVStored) -> None:
+        if self._n_waiting >= self._max_waiting:
+            # Bounded: a record whose parent never comes (announced before this
+            # publisher started, or removed) must not grow memory forever.
+            oldest = next(iter(self._waiting))
+            self._n_waiting -= len(self._waiting.pop(oldest))
+        self._waiting.setdefault(parent, []).append(rec)
+        self._n_waiting += 1
+
+    def _split(self, rec: KVStored) -> Iterable[KVStored]:
+        """Records as single chunks (the server sends one chunk a record; be safe)."""
+        if len(rec.block_hashes) == 1:
+            yield rec
+            return
+        C = self.member.fleet.chunk_size
+        parent = rec.parent_block_hash
+        for i, h in enumerate(rec.block_hashes):
+            yield KVStored(rec.seq, rec.model_name, (h,), parent,
+                           rec.token_ids[i * C:(i + 1) * C], rec.medium)
+            parent = h
+
+    def _removed(self, hashes: Iterable[bytes]) -> list[VllmEvent]:
+        gone: list[int | bytes] = []
+        for h in hashes:
+            blocks = self._announced.pop(h, None)
+            if blocks is not None:
+                gone.extend(external_hash(x, self._fmt) for x in blocks)
+        return [VllmBlockRemoved(tuple(gone), "CPU")] if gone else []
+
+    def translate(self, records: Sequence[Record], *, _own: bool = False) -> list[VllmEvent]:
+        """vLLM events for LMCache records (one store's worth: one batch).
+
+        Updates what was announced; stored records come out parents first.
+        """
+        out: list[VllmEvent] = []
+        if not self.member.fleet.chunk_size:
+            return out
+        for ev in records:
+            if isinstance(ev, KVStored):
+                if ev.token_ids:
+                    for r in self._split(ev):
+                        self._store(r, out, verify_root=not _own)
+            elif isinstance(ev, KVRemoved):
+                out.extend(self._removed(ev.block_hashes))
+            elif ev.discard:
+                self._waiting.clear()
+                self._n_waiting = 0
+                if not self._announced:
+                    continue  # a consumer has nothing of ours to forget
+                if self._reset == "clear":
+                    self._announced.clear()
+                    out.append(VllmAllBlocksCleared())
+                else:
+                    out.extend(self._removed(list(self._announced)))
+        return out
 
     def _on_own_store(self, name: str, hashes: Sequence[bytes], tokens: Sequence[int]) -> None:
         if name != self.member.name:
             return
         C = self.member.fleet.chunk_size
-        events: list[VllmEvent] = []
+        recs: list[Record] = []
         parent: bytes | None = None
         for i, h in enumerate(hashes):
-            rec = KVStored(0, self.member.fleet.model_name, (h,), parent,
-                           tuple(tokens[i * C:(i + 1) * C]), "CPU")
-            events.extend(self.translate(rec))
+            recs.append(KVStored(0, self.member.fleet.model_name, (h,), parent,
+                                 tuple(tokens[i * C:(i + 1) * C]), "CPU"))
             parent = h
-        self.publish(events)
+        # The fleet hashed these itself from the start of the sequence: a None
+        # parent is a true first chunk, no need to re-hash it.
+        self.publish(self.translate(recs, _own=True))
 
     def publish(self, events: Sequence[VllmEvent]) -> None:
         """Send one ``EventBatch`` (nothing when ``events`` is empty)."""
@@ -218,16 +392,34 @@ class VllmEventPublisher:
             try:
                 async with stream:
                     while True:
-                        ev = await stream.next()
-                        self.publish(self.translate(ev))  # one batch a record
+                        recs: list[Record] = [await stream.next()]
+                        # The rest of the server batch already received: one store's
+                        # records travel together, so they become one vLLM batch.
+                        while stream._pending:
+                            recs.append(await stream.next())
+                        if self.member.fleet.chunk_size:
+                            self._check_block_size()
+                        self.publish(self.translate(recs))
                         delay = 0.1
             except UnsupportedOperationError as exc:
                 log.warning("%s records no KV events: %s", self.member.name, exc)
+                return
+            except InvalidInputError as exc:  # the chunk size became known only now
+                log.error("publisher for %s stops: %s", self.member.name, exc)
                 return
             except KVCacheError as exc:
                 log.info("event stream of %s failed (%s); resubscribing", self.member.name, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    async def _watch_subscriptions(self) -> None:
+        sock = self._pub
+        assert sock is not None
+        while True:
+            msg = await sock.recv()
+            if msg[:1] == b"\x01":
+                self.subscriptions += 1
+                self._subscribed.set()
 
     async def _serve_replay(self) -> None:
         sock = self._replay
@@ -246,16 +438,39 @@ class VllmEventPublisher:
 
 
 async def publish_fleet(fleet: Fleet, *, host: str = "127.0.0.1", port: int = 5557,
+                        worker_ids: Mapping[str, int] | None = None,
                         **kwargs: object) -> list[VllmEventPublisher]:
     """One publisher per member, in member order: member ``i`` publishes on port
-    ``port + 2*i`` and answers replays on ``port + 2*i + 1``."""
+    ``port + 2*i`` and answers replays on ``port + 2*i + 1``.
+
+    ``worker_ids``: member name -> the router's worker id for the engine that loads
+    from that server (default: the member's position). Other keyword arguments go
+    to every :class:`VllmEventPublisher`; a bad one raises before any socket opens.
+    """
+    ids = dict(worker_ids or {})
     pubs = []
     for i, member in enumerate(fleet.members.values()):
         pub = VllmEventPublisher(member, endpoint=f"tcp://{host}:{port + 2 * i}",
                                  replay_endpoint=f"tcp://{host}:{port + 2 * i + 1}",
+                                 worker_id=ids.get(member.name, i),
                                  **kwargs)  # type: ignore[arg-type]
-        pubs.append(await pub.start())
-    return pubs
+        pubs.append(pub)
+    started: list[VllmEventPublisher] = []
+    try:
+        for pub in pubs:
+            started.append(await pub.start())
+    except BaseException:
+        for pub in started:
+            await pub.aclose()
+        raise
+    return started
+
+
+def dynamo_workers_arg(pubs: Sequence[VllmEventPublisher]) -> str:
+    """The ``--workers`` value of Dynamo's standalone indexer for these publishers:
+    ``"<worker_id>=<PUB endpoint>,..."`` (each publisher's worker id, else its index)."""
+    return ",".join(f"{p.worker_id if p.worker_id is not None else i}={p.endpoint}"
+                    for i, p in enumerate(pubs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,28 +483,38 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmkv_async.vllm_events",
                                 description="LMCache KV events as vLLM's KV-event stream")
     p.add_argument("--server", action="append", required=True,
-                   help="NAME=ZMQ_URL,HTTP_URL (repeat; publishers in this order)")
+                   help="NAME=ZMQ_URL,HTTP_URL[,WORKER_ID] (repeat; publishers in this "
+                        "order; WORKER_ID: the router's id of the engine loading from it)")
     p.add_argument("--model", required=True)
     p.add_argument("--layers", type=int, required=True)
     p.add_argument("--kv-heads", type=int, required=True)
     p.add_argument("--head-dim", type=int, required=True)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="the engines' KV layout")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=5557,
                    help="first PUB port; replay = PUB + 1; the next server + 2")
     p.add_argument("--topic", default="")
-    p.add_argument("--encoding", choices=("array", "map"), default="array")
+    p.add_argument("--encoding", choices=("array", "map"), default="map")
     p.add_argument("--block-hash-format", choices=("int", "bytes"), default="int")
+    p.add_argument("--router-block-size", type=int, default=None,
+                   help="the router's block size (divides the chunk size; default: chunk)")
+    p.add_argument("--hash-mode", choices=("dynamo", "vllm"), default="dynamo")
+    p.add_argument("--hash-seed", default=VLLM_DEFAULT_SEED,
+                   help="vLLM's PYTHONHASHSEED (hash mode vllm)")
+    p.add_argument("--reset", choices=("clear", "remove"), default="clear")
     args = p.parse_args(argv)
     servers: dict[str, tuple[str, str]] = {}
+    worker_ids: dict[str, int] = {}
     for spec in args.server:
         name, _, rest = spec.partition("=")
         parts = rest.split(",")
-        if not name or len(parts) != 2:
+        if not name or len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
             p.error(f"bad --server {spec!r}")
         servers[name] = (parts[0], parts[1])
+        if len(parts) == 3:
+            worker_ids[name] = int(parts[2])
     layout = KVLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
                       head_dim=args.head_dim, dtype=getattr(torch, args.dtype),
                       block_size=args.block_size, world_size=args.world_size)
@@ -301,11 +526,16 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with Fleet(servers, model_name=args.model, layout=layout) as fleet:
             pubs = await publish_fleet(fleet, host=args.host, port=args.port,
-                                       topic=args.topic, encoding=args.encoding,
-                                       block_hash_format=args.block_hash_format)
+                                       worker_ids=worker_ids, topic=args.topic,
+                                       encoding=args.encoding,
+                                       block_hash_format=args.block_hash_format,
+                                       block_size=args.router_block_size,
+                                       hash_mode=args.hash_mode, hash_seed=args.hash_seed,
+                                       reset=args.reset)
             for pub in pubs:
-                print(f"{pub.member.name}: PUB {pub.endpoint} replay {pub.replay_endpoint}",
-                      flush=True)
+                print(f"{pub.member.name}: worker {pub.worker_id} PUB {pub.endpoint} "
+                      f"replay {pub.replay_endpoint}", flush=True)
+            print(f"dynamo --workers {dynamo_workers_arg(pubs)}", flush=True)
             await stop.wait()
             for pub in pubs:
                 await pub.aclose()

@@ -4,6 +4,7 @@ published schema (msgspec Structs, not lmkv_async's encoder), against real serve
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import lmkv_async as lmkv
 from lmkv_async.testing import free_port
 from lmkv_async.vllm_events import VllmEventPublisher
 from lmkv_async.wire.events import (
+    KVRemoved,
+    KVStored,
     VllmAllBlocksCleared,
     VllmBlockRemoved,
     VllmBlockStored,
@@ -213,3 +216,92 @@ def test_cli_entry_point_help() -> None:
     out = subprocess.run([sys.executable, "-m", "lmkv_async.vllm_events", "--help"],
                          capture_output=True, text=True, timeout=120, check=True)
     assert "--server" in out.stdout and "--encoding" in out.stdout
+    assert "--router-block-size" in out.stdout and "--hash-mode" in out.stdout
+
+
+# --- translation at the router's block size (no server: a stand-in member)
+class _Fleet:
+    model_name = "m"
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self._own_store_listeners: list[Any] = []
+
+
+class _Member:
+    name = "s"
+
+    def __init__(self, chunk_size: int = 64) -> None:
+        self.fleet = _Fleet(chunk_size)
+
+
+def _pub(**kw: Any) -> VllmEventPublisher:
+    return VllmEventPublisher(_Member(kw.pop("chunk", 64)), endpoint="inproc://x",  # type: ignore[arg-type]
+                              **kw)
+
+
+def _records(toks: list[int], C: int = 64) -> list[KVStored]:
+    hs = chunk_hashes(toks, C)
+    return [KVStored(i, "m", (hs[i],), hs[i - 1] if i else None,
+                     tuple(toks[i * C:(i + 1) * C]), "CPU") for i in range(len(hs))]
+
+
+def test_block_size_must_divide_the_chunk_and_bad_arguments_are_typed() -> None:
+    for bad in ({"block_size": 24}, {"block_size": 0}, {"block_size": 16.0},
+                {"hash_mode": "sha"}, {"reset": "drop"}, {"encoding": "json"},
+                {"worker_id": -1}, {"block_hash_format": "hex"}):
+        with pytest.raises(lmkv.errors.InvalidInputError):
+            _pub(**bad)
+    assert _pub(block_size=16).block_size == 16 and _pub().block_size == 64
+
+
+def test_parents_first_one_batch_exact_removals_and_resets() -> None:
+    C, B = 64, 16
+    toks = random.Random(5).choices(range(2**31), k=3 * C)
+    recs = _records(toks)
+    pub = _pub(block_size=B)
+    evs = pub.translate([recs[2], recs[1], recs[0]])  # out of order, one store
+    assert [type(e) for e in evs] == [VllmBlockStored] * 3
+    stored: list[VllmBlockStored] = evs  # type: ignore[assignment]
+    assert [e.token_ids for e in stored] == [tuple(toks[i * C:(i + 1) * C]) for i in range(3)]
+    assert all(len(e.block_hashes) == C // B and e.block_size == B for e in stored)
+    assert stored[0].parent_block_hash is None
+    for a, b in itertools.pairwise(stored):
+        assert b.parent_block_hash == a.block_hashes[-1]
+    # The last block of a chunk is named by the chunk's LMCache hash (low 64 bits).
+    assert [e.block_hashes[-1] for e in stored] == [low64(r.block_hashes[0]) for r in recs]
+    assert len({h for e in stored for h in e.block_hashes}) == 3 * C // B
+    # Announced once: the same record again sends nothing.
+    assert pub.translate([recs[1]]) == []
+    # Removal of chunk 1: exactly its four blocks.
+    (rm,) = pub.translate([KVRemoved(9, "m", (recs[1].block_hashes[0],), "CPU")])
+    assert isinstance(rm, VllmBlockRemoved) and rm.block_hashes == stored[1].block_hashes
+    assert pub.translate([KVRemoved(9, "m", (recs[1].block_hashes[0],), "CPU")]) == []
+    # Resync that discards: a clear, or removals of what is left with reset="remove".
+    from lmkv_async.wire.events import KVResync
+    resync = KVResync("restart", 2, 0, True, True)
+    assert pub.translate([resync]) == [VllmAllBlocksCleared()]
+    pub2 = _pub(block_size=B, reset="remove")
+    pub2.translate(recs)
+    (rm2,) = pub2.translate([resync])
+    assert isinstance(rm2, VllmBlockRemoved)
+    assert set(rm2.block_hashes) == {h for e in stored for h in e.block_hashes}
+
+
+def test_orphans_wait_for_their_parent_and_lost_parents_are_not_announced() -> None:
+    C = 64
+    toks = random.Random(6).choices(range(2**31), k=2 * C)
+    recs = _records(toks)
+    pub = _pub(block_size=16)
+    assert pub.translate([recs[1]]) == []  # waits for chunk 0
+    evs = pub.translate([recs[0]])
+    assert len(evs) == 2 and evs[0].parent_block_hash is None  # type: ignore[union-attr]
+    # The server sent None as the parent of a chunk that is not a first chunk.
+    lost = KVStored(3, "m", (chunk_hashes(toks[C:] + toks, C)[1],), None,
+                    tuple(toks[:C]), "CPU")
+    assert _pub(block_size=16).translate([lost]) == []
+    # At B == C, in dynamo mode, the stream is LMCache's hashes as before.
+    pub3 = _pub()
+    evs = pub3.translate(recs)
+    assert [e.block_hashes for e in evs] == [  # type: ignore[union-attr]
+        (low64(r.block_hashes[0]),) for r in recs]
