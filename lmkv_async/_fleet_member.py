@@ -101,7 +101,7 @@ class _LightSession(Session):
         except BaseException:
             # Shielded: a caller's cancellation (the usual reason to be here) must not
             # leave the registration behind.
-            await finish(self.teardown(unregister=self._register_sent))
+            await self.shutdown(unregister=self._register_sent)
             raise
 
     async def _register_light(self, deadline: float) -> None:
@@ -128,11 +128,9 @@ class _LightSession(Session):
                 await self._register_light(deadline)
 
     async def close(self) -> None:
-        """Unregister (if registered) and close everything."""
-        if self.state in ("closing", "closed"):
-            return
-        self.state = "closing"
-        await self.teardown(unregister=self.light_registered)
+        """Unregister (if registered) and close everything: shielded, bounded and
+        idempotent (a second call waits for the first one's cleanup)."""
+        await self.shutdown(unregister=self.light_registered or self._register_sent)
 
 
 class FleetMember:
