@@ -2,10 +2,13 @@
 
 Builds a synthetic fleet in one process, no server: every simulated server holds
 8-chunk prompts (chunk 256) whose first chunk is one of 50 shared ones and whose 7
-others are its own, fed as ``KVStored`` records through ``PrefixIndex.add_event``
-with real BLAKE3 hashes (``wire.hashing.chunk_hashes``, computed outside the timed
-calls), the entry point the fleet's event streams use. For each point it measures,
-in a fresh child process:
+others are its own (token ids: windows of one random sequence over a 131,072-token
+vocabulary), fed as ``KVStored`` records (token ids as a list, as decoded from an
+event) through ``PrefixIndex.add_event`` with real BLAKE3 hashes
+(``wire.hashing.chunk_hashes``, computed outside the timed calls), the entry point
+the fleet's event streams use. The curve runs at 16, 64 and 256 servers holding
+10,000 (server, chunk) entries each (1,422 prompts); the 256-server point is the one
+the targets are read at. For each point it measures, in a fresh child process:
 
 * memory: the RSS delta of the build and, in a second child, the bytes tracemalloc
   sees; per (server, chunk) entry, entries being what ``size()`` counts;
@@ -14,15 +17,17 @@ in a fresh child process:
 * ``longest`` over every server (what ``Fleet.best`` asks for synced members):
   p50 / p99 / max over queries that hit a prompt fully or partly, share only the
   first chunk, or miss;
-* ``remove`` (one prompt's 8 hashes per call) and ``discard(server)``, per entry
-  removed.
+* ``remove`` (one prompt's 7 own hashes per call) and ``discard(server)`` (a tenth
+  of the servers), per entry removed.
 
-The index before the rewrite (``git show fb4a8d3:lmkv_async/_index.py``) runs at the
-curve's points in the same run; both answer the same queries, and the run checks
-that their answers are identical. Results go to ``benchmarks/results/index.json``.
+The index before the rewrite (``git show fb4a8d3:lmkv_async/_index.py``, loaded
+into a temporary module for this comparison only) runs at the same points where
+its estimated peak memory fits ``--before-max-gib`` (6 GiB: all three; about 1.6
+KiB per entry); both answer the same queries, and the run checks that their
+answers are identical. Results go to ``benchmarks/results/index.json``.
 
-    python benchmarks/bench_index.py            # curve 16/64/256 servers + 256 x 10,000
-    python benchmarks/bench_index.py --quick    # a smaller curve, no 256 x 10,000 point
+    python benchmarks/bench_index.py            # the curve, before and after (~10 min)
+    python benchmarks/bench_index.py --quick    # 40 prompts per server (~1 min)
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import os
 import platform
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -57,18 +63,38 @@ CHUNKS = 8           # chunks per prompt
 SHARED = 50          # shared first chunks
 BEFORE = "fb4a8d3"   # main before the rewrite
 TARGET_ENTRIES = 10_000
+#: prompts per server for 10,000 entries each: 7 own chunks per prompt plus the 50 shared
+TARGET_PROMPTS = -(-(TARGET_ENTRIES - SHARED) // (CHUNKS - 1))
+#: peak RSS per entry of the index before, in its tracemalloc child (measured at 64 x
+#: 10,000: 1.43 GiB for 640,256 entries); its RSS child peaks lower
+BEFORE_PEAK = 2_400
 GOALS = {"bytes_per_entry": 256.0, "longest_p99_us": 1000.0, "ingest_entries_per_s": 100_000.0}
 
 
 # ----------------------------------------------------------------------------- workload
+VOCAB = 1 << 17      # token ids drawn from a vocabulary of this size
+_FIRST = [[1_000_000 + i * C + t for t in range(C)] for i in range(SHARED)]
+_pool: list[int] = []
+
+
+def make_pool(prompts: int, seed: int) -> None:
+    """The tokens every prompt's own part is a window of: one random sequence over a
+    vocabulary, so a prompt is two list slices (no int is made per token: under
+    tracemalloc, making 2,048 ints per prompt was most of a point's wall time).
+    Prompt ``g`` owns the window starting at ``g``; two windows of a random sequence
+    are equal with negligible probability, so every own chunk is distinct."""
+    vocab = list(range(VOCAB))
+    _pool[:] = random.Random(seed + 0x5EED).choices(vocab, k=prompts + (CHUNKS - 1) * C)
+
+
 def first_chunk(i: int) -> list[int]:
-    return [(1_000_000 + i * C + t) for t in range(C)]
+    return _FIRST[i]
 
 
 def prompt(server: int, j: int, per_server: int) -> list[int]:
     """Prompt ``j`` of ``server``: a shared first chunk, then 7 chunks of its own."""
-    base = 10_000_000 + (server * per_server + j) * (CHUNKS - 1) * C
-    return first_chunk(j % SHARED) + list(range(base, base + (CHUNKS - 1) * C))
+    g = server * per_server + j
+    return _FIRST[j % SHARED] + _pool[g:g + (CHUNKS - 1) * C]
 
 
 def load_index(impl: str, source: str | None) -> type:
@@ -86,6 +112,10 @@ def load_index(impl: str, source: str | None) -> type:
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -119,8 +149,8 @@ def queries(servers: int, per_server: int, n: int, rng: random.Random
             k = CHUNKS if kind < 3 else rng.randint(1, CHUNKS)
             out.append((token_bytes(toks[: k * C]), k, f"s{s}", k))
         elif kind < 8:  # a shared first chunk, then tokens nobody stored
-            toks = first_chunk(rng.randrange(min(SHARED, per_server)))
-            toks += [rng.randrange(2**31) for _ in range(C)]
+            toks = first_chunk(rng.randrange(min(SHARED, per_server))) + [
+                rng.randrange(2**31) for _ in range(C)]
             out.append((token_bytes(toks), 2, "", 1))
         else:  # a miss from the first chunk
             out.append((token_bytes([rng.randrange(2**31) for _ in range(2 * C)]), 2, "", 0))
@@ -132,6 +162,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     rng = random.Random(spec["seed"])
     cls = load_index(impl, spec.get("source"))
     names = [f"s{i}" for i in range(servers)]
+    sample = max(20, per_server // 10)  # add_own calls, on prompts after the fleet's
+    make_pool(servers * per_server + sample, spec["seed"])
     qs = queries(servers, per_server, spec["queries"], rng)
     chunk_hashes(prompt(0, 0, 1), C)  # warm the hash path
     index = cls(C)
@@ -145,7 +177,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         tracemalloc.stop()
         entries = index.size()
         return {"traced_bytes": traced, "entries": entries,
-                "traced_bytes_per_entry": traced / entries}
+                "traced_bytes_per_entry": traced / entries, "peak_rss_bytes": peak_rss()}
     gc.collect()
     before = rss()
     spent, told = build(index, servers, per_server, names)
@@ -158,10 +190,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "ingest_s": spent, "ingest_entries_per_s": told / spent,
     }
     # add_own: the fleet's own stores (it hashes the tokens itself), on a sample
-    sample = max(20, per_server // 10)
     t_own, own_told = 0.0, 0
     for j in range(sample):
-        toks = prompt(servers + 1, j, sample)
+        toks = prompt(servers, j, per_server)
         t0 = time.perf_counter()
         index.add_own(names[j % servers], toks, "", CHUNKS)
         t_own += time.perf_counter() - t0
@@ -211,6 +242,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     out["discard_us_per_entry_p50"] = pct(per_server_us, 0.5)
     out["discarded"] = sum(sizes)
     out["discard_ms_per_server"] = t_dc / len(sizes) * 1e3
+    out["peak_rss_bytes"] = peak_rss()
     return out
 
 
@@ -235,6 +267,7 @@ def point(impl: str, servers: int, per_server: int, args: argparse.Namespace,
         assert tr["entries"] == res["entries"], (tr, res)
         res["traced_bytes"], res["traced_bytes_per_entry"] = (tr["traced_bytes"],
                                                              tr["traced_bytes_per_entry"])
+        res["trace_peak_rss_bytes"] = tr["peak_rss_bytes"]
     res["wall_s"] = time.monotonic() - t0
     lat = res["longest_us"]
     print(f"{impl:6s} {servers:4d} x {per_server:5d} prompts: {res['entries']:>9,} entries, "
@@ -259,15 +292,23 @@ def before_source() -> str | None:
     return path
 
 
+def before_fits(servers: int, per_server: int, max_gib: float) -> bool:
+    """Whether the index before the rewrite can be measured at this point: its
+    tracemalloc child peaks at about BEFORE_PEAK bytes per entry."""
+    entries = servers * (per_server * (CHUNKS - 1) + min(SHARED, per_server))
+    return entries * BEFORE_PEAK <= max_gib * 2**30
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="curve at 40 prompts per server, no 256 x 10,000 point")
+                    help="curve at 40 prompts per server (a minute)")
     ap.add_argument("--servers", type=int, nargs="*", default=[16, 64, 256])
     ap.add_argument("--prompts", type=int, default=None,
-                    help="prompts per server on the curve (default 125: 925 entries)")
-    ap.add_argument("--no-target", action="store_true", help="skip 256 x 10,000")
+                    help=f"prompts per server (default {TARGET_PROMPTS}: 10,000 entries)")
     ap.add_argument("--no-before", action="store_true", help=f"skip the index of {BEFORE}")
+    ap.add_argument("--before-max-gib", type=float, default=6.0,
+                    help="measure the index before only where its estimated peak fits")
     ap.add_argument("--no-trace", action="store_true", help="skip the tracemalloc children")
     ap.add_argument("--queries", type=int, default=None, help="longest() calls (2000)")
     ap.add_argument("--removes", type=int, default=400, help="remove() calls")
@@ -278,30 +319,37 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return
-    per_server = args.prompts or (40 if args.quick else 125)
+    per_server = args.prompts or (40 if args.quick else TARGET_PROMPTS)
     args.queries = args.queries or (500 if args.quick else 2000)
     t_start = time.monotonic()
     source = None if args.no_before else before_source()
     if source is None and not args.no_before:
         print(f"note: git show {BEFORE} failed; the index before the rewrite is not measured")
     curve: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     try:
         for servers in args.servers:
             after = point("after", servers, per_server, args, None)
             curve.append(after)
-            if source is not None:
-                before = point("before", servers, per_server, args, source)
-                before["same_answers"] = after["same_answers"] = (
-                    before["answers_sha256"] == after["answers_sha256"])
-                curve.append(before)
+            if source is None:
+                continue
+            if not before_fits(servers, per_server, args.before_max_gib):
+                skipped.append({"impl": "before", "servers": servers,
+                                "prompts_per_server": per_server,
+                                "reason": f"estimated peak over {args.before_max_gib:g} GiB"})
+                print(f"before {servers:4d} x {per_server:5d} prompts: skipped "
+                      f"({skipped[-1]['reason']})", flush=True)
+                continue
+            before = point("before", servers, per_server, args, source)
+            before["same_answers"] = after["same_answers"] = (
+                before["answers_sha256"] == after["answers_sha256"])
+            curve.append(before)
     finally:
         if source is not None:
             os.unlink(source)
-    target = None
-    if not args.quick and not args.no_target:
-        # 10,000 entries per server: 7 own chunks per prompt plus the 50 shared ones
-        prompts = -(-(TARGET_ENTRIES - SHARED) // (CHUNKS - 1))
-        target = point("after", 256, prompts, args, None)
+    # the targets hold at 256 servers x 10,000 entries each: the curve's last point
+    target = next((c for c in curve if c["impl"] == "after" and c["servers"] == 256
+                   and c["prompts_per_server"] == TARGET_PROMPTS), None)
     targets = []
     if target is not None:
         for name, value, goal, higher in (
@@ -320,11 +368,13 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python benchmarks/bench_index.py " + " ".join(sys.argv[1:]),
         "workload": {"chunk": C, "chunks_per_prompt": CHUNKS, "shared_first_chunks": SHARED,
-                     "curve_prompts_per_server": per_server, "queries": args.queries,
-                     "removes": args.removes, "seed": args.seed, "before": BEFORE},
+                     "vocab": VOCAB, "curve_prompts_per_server": per_server,
+                     "queries": args.queries, "removes": args.removes, "seed": args.seed,
+                     "before": BEFORE},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "loadavg_after": list(os.getloadavg())},
         "curve": curve,
+        "skipped": skipped,
         "target_point": target,
         "targets": targets,
         "wall_s": time.monotonic() - t_start,
