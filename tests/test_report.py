@@ -69,7 +69,7 @@ def test_report_writes_the_page_and_both_charts(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = md.read_text()
-    for name in ("benchmarks-e2e.png", "benchmarks-kernel.png"):
+    for name in ("benchmarks-e2e.png", "benchmarks-kernel.png", "benchmarks-index.png"):
         assert f"]({name})" in text, f"the page does not embed {name}"
         width, height = png_size(md.parent / name)
         assert width >= 800 and height >= 400, (name, width, height)
@@ -82,11 +82,85 @@ def test_report_writes_the_page_and_both_charts(tmp_path: Path) -> None:
                if t["target"] == "retrieve T=4096 into out= vs SDK retrieve"]
     assert f"**{want:.2f}x** (" in text
     assert "## Small transfers" in text and "bare floor" in text  # small.json's section
+    assert "## Prefix index at router scale" in text  # index.json's section
 
 
 def test_committed_page_embeds_the_committed_charts() -> None:
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    for name in ("benchmarks-e2e.png", "benchmarks-kernel.png"):
+    for name in ("benchmarks-e2e.png", "benchmarks-kernel.png", "benchmarks-index.png"):
         assert f"]({name})" in text
         png_size(ROOT / "docs" / name)
     assert not (ROOT / "docs" / "benchmarks.png").exists(), "the old hand-drawn PNG is back"
+
+
+def index_point(impl: str, servers: int, rss: float, traced: float, rate: float,
+                p50: float, p99: float, remove: float, discard: float) -> dict[str, object]:
+    entries = servers * 10_004
+    return {"impl": impl, "servers": servers, "prompts_per_server": 1422, "entries": entries,
+            "rss_bytes_per_entry": rss, "traced_bytes_per_entry": traced,
+            "ingest_entries_per_s": rate, "longest_us": {"n": 100, "p50": p50, "p99": p99},
+            "remove_us_per_entry_p50": remove, "discard_us_per_entry_p50": discard,
+            "wrong_answers": 0, "same_answers": True}
+
+
+def synthetic_index() -> dict[str, object]:
+    now16 = index_point("after", 16, 210.4, 180.2, 190_500.0, 8.04, 21.6, 1.814, 0.826)
+    now256 = index_point("after", 256, 230.0, 190.0, 95_000.0, 70.0, 1250.0, 2.5, 1.75)
+    before16 = index_point("before", 16, 1683.2, 1525.0, 155_000.0, 15.0, 43.2, 2.09, 1.22)
+    return {
+        "kind": "index", "date": "2026-01-02 03:04:05 UTC", "command": "python x.py",
+        "workload": {"chunk": 256, "chunks_per_prompt": 8, "shared_first_chunks": 50,
+                     "queries": 100, "before": "fb4a8d3"},
+        "machine": {"cpus": 2, "python": "3.11.7", "platform": "Linux"},
+        "curve": [now16, before16, now256],
+        "skipped": [{"impl": "before", "servers": 256, "prompts_per_server": 1422,
+                     "reason": "estimated peak over 6 GiB"}],
+        "target_point": dict(now256),  # a copy, as after a JSON round trip
+        "targets": [
+            {"target": "bytes per entry (RSS) at 256 x 10,000", "value": 230.0, "goal": 256.0,
+             "unit": "B", "higher_is_better": False, "met": True},
+            {"target": "longest p99 at 256 x 10,000", "value": 1250.0, "goal": 1000.0,
+             "unit": "us", "higher_is_better": False, "met": False},
+        ],
+        "wall_s": 12.0,
+    }
+
+
+def test_index_section_renders_every_point_from_the_result_file(tmp_path: Path) -> None:
+    load_report()  # puts benchmarks/ on sys.path
+    import _report_index
+
+    ix = synthetic_index()
+    text = "\n".join(_report_index.index_md(ix))
+    rows = [line for line in text.splitlines() if line.startswith("| now") or
+            line.startswith("| before")]
+    # one row per point (the target point is the curve's 256 one, not a row of its own),
+    # the index now first, each by fleet size
+    assert rows == [
+        "| now | 16 | 160,064 | 210 | 180 | 190,500 | 8.0 / 22 | 1.81 | 0.83 |",
+        "| now | 256 | 2,561,024 | 230 | 190 | 95,000 | 70 / 1,250 | 2.50 | 1.75 |",
+        "| before | 16 | 160,064 | 1,683 | 1,525 | 155,000 | 15 / 43 | 2.09 | 1.22 |",
+    ]
+    # now against before at the largest fleet both ran: 1683.2 / 210.4 = 8.0x less memory
+    assert "At 16 servers the index now takes 8.0x less memory per entry" in text
+    assert "identical answers" in text and "1,422 prompts" in text
+    assert "Not measured: the index before at 256 servers (estimated peak over 6 GiB)." in text
+    assert "| longest p99 at 256 x 10,000 | <= 1,000 µs | 1,250 µs | **missed** |" in text
+    assert "| bytes per entry (RSS) at 256 x 10,000 | <= 256 B | 230 B | met |" in text
+
+    png = tmp_path / "index.png"
+    _report_index.draw_index(ix, png)
+    width, height = png_size(png)
+    assert width >= 800 and height >= 400 and png.stat().st_size > 20_000
+
+
+def test_index_section_reads_a_lone_target_point() -> None:
+    load_report()
+    import _report_index
+
+    ix = synthetic_index()
+    ix["curve"], ix["skipped"] = [], []  # the first result file held the target point only
+    points = _report_index.index_points(ix)
+    assert [(p["impl"], p["servers"]) for p in points] == [("after", 256)]
+    text = "\n".join(_report_index.index_md(ix))
+    assert "| now | 256 | 2,561,024 | 230 |" in text and "At 16 servers" not in text
