@@ -60,7 +60,6 @@ from .errors import (
 from .http import ApiKey, resolve_api_key
 from .layout import KVLayout
 from .validate import Tokens, check_salt, check_timeout, check_tokens
-from .wire.hashing import HAVE_NATIVE_BLAKE3, chunk_hashes
 from .wire.keys import token_bytes
 
 __all__ = ["DOWN_AFTER", "Fleet", "FleetLookup", "FleetMember", "MemberState"]
@@ -452,12 +451,7 @@ class Fleet:
     async def _note_store(self, name: str, toks: list[int], salt: str,
                           chunks: int) -> list[bytes]:
         C = self.chunk_size
-        if HAVE_NATIVE_BLAKE3:
-            hashes = self._index.add_own(name, toks, salt, chunks)  # ~6 us a chunk
-        else:
-            # Pure-Python BLAKE3 takes milliseconds a chunk: keep it off the loop.
-            hashes = await asyncio.to_thread(chunk_hashes, toks[: chunks * C], C)
-            self._index.add_own(name, toks, salt, chunks, hashes=hashes)
+        hashes = self._index.add_own(name, toks, salt, chunks)  # blake3: ~2 us a chunk
         for listener in list(self._own_store_listeners):
             try:
                 listener(name, hashes, toks[: chunks * C])

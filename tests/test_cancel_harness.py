@@ -27,6 +27,7 @@ import pytest
 import torch
 from cancel_points import MODES, cancel_at, count_points, points
 from servers import assert_no_leaks, assert_quiescent
+from timing import SETTLE
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
@@ -259,3 +260,104 @@ async def test_aclose_cancelled_at_every_point(shm_server: LocalServer, mode: st
 
     _total, cut = await run_harness(op, mode, zlib.crc32(b"aclose" + mode.encode()), after_each)
     assert cut > 0
+
+
+# ------------------------------------------------------------------ the fleet
+FLEET_OPS = ["fleet_lookup", "fleet_best", "member_retrieve", "member_retrieve_out"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", FLEET_OPS)
+async def test_fleet_operation_cancelled_at_every_point(
+    shm_server: LocalServer, name: str, mode: str
+) -> None:
+    """``Fleet.lookup`` / ``best`` and ``FleetMember.retrieve``, cut at every point."""
+    model = f"cancel-harness-{next(_models)}"
+    seed = zlib.crc32(f"fleet/{name}/{mode}".encode())
+    async with lmkv.connect(
+        shm_server.url, shm_server.http_url, model, layout=LAYOUT, prefault=False
+    ) as ctx:
+        base = Base(ctx, seed)
+        await ctx.store(base.kv, base.toks)
+        want = len(base.toks)
+        async with lmkv.Fleet(
+            {"a": (shm_server.url, shm_server.http_url)}, model_name=model, layout=LAYOUT
+        ) as fleet:
+            member = fleet.members["a"]
+            out = torch.empty_like(base.kv)
+            ops: dict[str, Callable[[], Awaitable[Any]]] = {
+                "fleet_lookup": lambda: fleet.lookup(base.toks),
+                "fleet_best": lambda: fleet.best(base.toks),
+                "member_retrieve": lambda: member.retrieve(base.toks),
+                "member_retrieve_out": lambda: member.retrieve(base.toks, out=out),
+            }
+
+            async def after_each() -> None:
+                # The fleet still answers, from both sources, and the data reads back
+                # through the member; nothing but the open registrations is held.
+                assert (await fleet.lookup(base.toks, source="lookup"))["a"] == want
+                assert await fleet.best(base.toks) == ("a", want)
+                got = await member.retrieve(base.toks)
+                assert got is not None and torch.equal(bits(got), bits(base.kv))
+                mctx = await member.context()
+                allowed = [ctx.instance_id]
+                if member.session is not None:
+                    allowed.append(member.session.instance_id)
+                await assert_quiescent(mctx, allowed_instance_ids=allowed)
+                await base.check()
+
+            total, cut = await run_harness(ops[name], mode, seed, after_each)
+            assert cut > 0, f"{name}: no run was cut short out of {total} points"
+        # the fleet's registrations are gone once it closed; only ctx's is left
+        await assert_quiescent(ctx)
+    assert_no_leaks(shm_server)
+
+
+# ------------------------------------------------------------------ KV events
+@pytest.mark.parametrize("mode", MODES)
+async def test_kv_events_iteration_cancelled_at_every_point(
+    shm_server: LocalServer, mode: str
+) -> None:
+    """``async with ctx.kv_events() as s: async for ev in s`` cut at every point: the
+    stream closes (the server's subscriber count falls back) and a new one works."""
+    model = f"cancel-harness-{next(_models)}"
+    seed = zlib.crc32(f"events/{mode}".encode())
+    async with lmkv.connect(
+        shm_server.url, shm_server.http_url, model, layout=LAYOUT, prefault=False
+    ) as ctx:
+        if "kv_events" not in ctx.capabilities:
+            pytest.fail("this server was expected to record KV events")
+        base = Base(ctx, seed)
+        await ctx.store(base.kv, base.toks)
+        streams: list[lmkv.KVEventStream] = []
+
+        async def op() -> int:
+            seen = 0
+            async with ctx.kv_events(max_events=2) as stream:
+                streams.append(stream)
+                async for _ in stream:
+                    seen += 1
+                    # The start resync: this context's stores are engine-driven, which
+                    # LMCache records no event for, so nothing else would come.
+                    break
+            return seen
+
+        async def subscribers() -> int:
+            status = await asyncio.to_thread(shm_server.status)
+            return int(status["kv_events"]["subscribers"])
+
+        async def after_each() -> None:
+            assert all(s.closed for s in streams), "a cut-short stream was left open"
+            streams.clear()
+            deadline = asyncio.get_running_loop().time() + SETTLE
+            while (n := await subscribers()) != 0:
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"{n} KV-event subscription(s) left on the server"
+                )
+                await asyncio.sleep(0.05)
+            await assert_quiescent(ctx)
+            await base.check()
+
+        total, cut = await run_harness(op, mode, seed, after_each)
+        assert cut > 0, f"no run was cut short out of {total} points"
+    assert_no_leaks(shm_server)
