@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from . import _ops, cuda, kernel
-from ._connect import Connecting, check_connect_args
+from ._connect import Connecting, check_connect_args, require_asyncio
 from ._session import Session, TransportMode
 from ._view_block import ViewBlock
 from .errors import InvalidInputError, TransportUnavailableError
@@ -555,6 +555,7 @@ def connect(
     key = resolve_api_key(api_key)
 
     async def factory() -> AsyncKVContext:
+        require_asyncio("connect()")
         session = Session(
             url, http_url, model_name, layout=layout, timeout=timeout, transport=transport,
             sockets=sockets, shm_dir=shm_dir, heartbeat_interval=heartbeat_interval,

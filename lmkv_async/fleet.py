@@ -39,6 +39,7 @@ from collections.abc import Collection, Iterator, Mapping
 from types import TracebackType
 from typing import Literal
 
+from ._connect import require_asyncio
 from ._fleet_host import MemberState, OwnStoreListener, Registration, Source
 from ._fleet_member import (  # noqa: F401  (re-exported)
     DOWN_AFTER,
@@ -210,6 +211,7 @@ class Fleet:
         """
         if self._state != "new":
             return self
+        require_asyncio("Fleet")
         try:
             if self.coordinator_url:
                 # Before the state is "open": members it adds are joined below, once.

@@ -1,0 +1,34 @@
+"""Outside asyncio (trio, or a bare coroutine driver) the entry points fail clearly.
+
+lmkv_async's transport and background tasks are asyncio's. Under trio, before this
+check, ``connect`` failed deep inside with ``RuntimeError: no running event loop``.
+Here the coroutines are driven by hand, as a non-asyncio loop would drive them:
+the first step must raise a typed error that names what to do, before any traffic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmkv_async as lmkv
+from lmkv_async.errors import KVCacheError
+
+LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                       block_size=16)
+# Nothing listens here: a connect attempt would time out instead of failing at once.
+URL, HTTP = "tcp://127.0.0.1:9", "http://127.0.0.1:9"
+
+
+def test_connect_outside_asyncio_is_a_typed_error() -> None:
+    step = lmkv.connect(URL, HTTP, "m", layout=LAYOUT).__await__()
+    with pytest.raises(KVCacheError, match=r"asyncio event loop.*trio") as info:
+        step.send(None)
+    assert not isinstance(info.value, RuntimeError)
+
+
+def test_fleet_outside_asyncio_is_a_typed_error() -> None:
+    fleet = lmkv.Fleet({"a": (URL, HTTP)}, model_name="m", layout=LAYOUT)
+    coro = fleet.open()
+    with pytest.raises(KVCacheError, match=r"asyncio event loop.*trio"):
+        coro.send(None)
