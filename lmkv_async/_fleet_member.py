@@ -30,6 +30,7 @@ from ._fleet_host import FleetHost, MemberState, Registration
 from ._fleet_sync import IndexSync, OwnReplayStream
 from ._session import Session
 from ._shield import Once, finish
+from ._waits import wait_event
 from .context import AsyncKVContext, connect
 from .errors import (
     ClosedError,
@@ -293,8 +294,7 @@ class FleetMember:
                 self._mark_up()
                 continue
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), f.audit_interval)
+            await wait_event(self._wake, f.audit_interval)
             if self.state == "up" and self._follower is not None:
                 await self.sync.audit()
 

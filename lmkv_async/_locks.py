@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from ._waits import acquire_within
 from .errors import ServerTimeoutError
 
 __all__ = ["KeyedLock"]
@@ -23,14 +24,15 @@ class KeyedLock:
             lock = asyncio.Lock()
         self._locks[key] = (lock, users + 1)
         try:
-            await asyncio.wait_for(lock.acquire(), max(0.0, deadline - time.monotonic()))
-        except BaseException as exc:
+            held = await acquire_within(lock, deadline - time.monotonic())
+        except BaseException:
             self._drop(key)
-            if isinstance(exc, TimeoutError):
-                raise ServerTimeoutError(
-                    "deadline expired waiting for a concurrent retrieve of the same prefix",
-                    op="prepare_retrieve", server=server) from None
             raise
+        if not held:
+            self._drop(key)
+            raise ServerTimeoutError(
+                "deadline expired waiting for a concurrent retrieve of the same prefix",
+                op="prepare_retrieve", server=server)
 
     def release(self, key: bytes) -> None:
         """Release ``key`` (held by the caller)."""

@@ -57,8 +57,12 @@ async def wait_finished(fut: asyncio.Future[T]) -> T:
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError as exc:
-                if not fut.done():
-                    caught = exc  # ours (Task.cancel / asyncio.timeout): keep waiting
+                # Ours (Task.cancel / asyncio.timeout), or fut itself was cancelled:
+                # either way it is raised once fut is done. It is kept even when fut
+                # finished in the same iteration: dropping it would lose an
+                # edge-triggered Task.cancel() and make asyncio.gather above us fail
+                # with a bare CancelledError that escapes a caller's anyio scope.
+                caught = exc
             except BaseException:
                 break  # the work failed: fut holds the error
     if caught is not None:

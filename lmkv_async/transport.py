@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ._waits import wait_event
 from .errors import (
     ClosedError,
     ProtocolError,
@@ -170,13 +171,7 @@ class Connection:
 
     async def wait_connected(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for a live connection; return whether there is one."""
-        if self._connected.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._connected, timeout)
 
     async def _watch_loop(self) -> None:
         try:
@@ -443,13 +438,21 @@ class Transport:
 
     async def wait_connected(self, timeout: float) -> bool:
         """Wait until every socket is connected."""
-        results = await asyncio.gather(*(c.wait_connected(timeout) for c in self._conns))
-        return all(results)
+        # One after the other on one deadline (they connect in parallel anyway): no
+        # gather, whose bare CancelledError would escape a caller's anyio scope.
+        give_up = time.monotonic() + timeout
+        for c in self._conns:
+            if not await c.wait_connected(give_up - time.monotonic()):
+                return False
+        return True
 
     async def wait_usable(self, timeout: float, since: float | None = None) -> bool:
         """Every socket connected, waiting at most ``timeout`` and each one's grace."""
-        results = await asyncio.gather(*(c.wait_usable(timeout, since) for c in self._conns))
-        return all(results)
+        give_up = time.monotonic() + timeout
+        for c in self._conns:
+            if not await c.wait_usable(give_up - time.monotonic(), since):
+                return False
+        return True
 
     def pick(self) -> Connection:
         """The least busy connected socket (round-robin among ties)."""

@@ -62,6 +62,7 @@ from ._vllm_hash import (
     vllm_block_hash,
     vllm_none_hash,
 )
+from ._waits import wait_event
 from .errors import InvalidInputError, KVCacheError, UnsupportedOperationError
 from .wire.events import (
     KVRemoved,
@@ -222,7 +223,8 @@ class VllmEventPublisher:
 
         Raises :class:`TimeoutError` after ``timeout`` seconds.
         """
-        await asyncio.wait_for(self._subscribed.wait(), timeout)
+        if not await wait_event(self._subscribed, timeout):
+            raise TimeoutError(f"no consumer subscribed within {timeout} s")
 
     async def __aenter__(self) -> VllmEventPublisher:
         return await self.start()

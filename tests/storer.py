@@ -54,7 +54,10 @@ class LmcacheStorer:
                 return line.strip()
             if self.proc.poll() is not None:
                 break
-        raise AssertionError(f"lmcache_store.py said nothing (rc={self.proc.poll()})")
+        self.log.flush()
+        log = Path(self.log.name).read_text(errors="replace")[-4000:]
+        raise AssertionError(
+            f"lmcache_store.py said nothing (rc={self.proc.poll()}); its stderr:\n{log}")
 
     def store(self, tokens: list[int], salt: str = "") -> None:
         assert self.proc.stdin is not None
