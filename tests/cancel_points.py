@@ -97,7 +97,13 @@ async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outc
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
         if counter.active and asyncio.iscoroutine(coro):
-            coro = _counted(coro, counter)
+            inner, coro = coro, _counted(coro, counter)
+            task = asyncio.Task(coro, loop=loop, **kwargs)
+            # A task cancelled before its first step never starts the wrapper, so the
+            # wrapper never awaits ``inner``: close it (a no-op once it has run), or
+            # Python warns "coroutine ... was never awaited" about the library's code.
+            task.add_done_callback(lambda _t: inner.close())
+            return task
         return asyncio.Task(coro, loop=loop, **kwargs)
 
     async def caller() -> Any:
