@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._shield import on_asyncio
-from .errors import InvalidInputError, KVCacheError
+from .errors import InvalidInputError
 from .layout import KVLayout
 from .validate import check_timeout
 
-__all__ = ["ConnectArgs", "Connecting", "check_connect_args", "require_asyncio"]
+__all__ = ["ConnectArgs", "Connecting", "check_connect_args"]
 
 _MODEL_NAME = re.compile(r"^[^@\x00]+$")
 
@@ -79,20 +78,6 @@ def check_connect_args(
             f"got {heartbeat_interval!r}"
         )
     return ConnectArgs(url, check_timeout(timeout, 10.0))
-
-
-def require_asyncio(what: str) -> None:
-    """Fail clearly, before any traffic, when not running on asyncio.
-
-    The transport, the release steps and the background tasks are asyncio's
-    (``loop.add_reader``, asyncio futures and tasks); under trio they would fail
-    with an unrelated ``RuntimeError`` from deep inside. See docs/operations.md.
-    """
-    if not on_asyncio():
-        raise KVCacheError(
-            f"{what} needs an asyncio event loop (asyncio.run, or anyio.run with "
-            "backend='asyncio'); lmkv_async does not run on trio yet"
-        )
 
 
 class Connecting(Generic[C]):

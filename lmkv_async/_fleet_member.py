@@ -30,6 +30,7 @@ from ._fleet_host import FleetHost, MemberState, Registration
 from ._fleet_sync import IndexSync, OwnReplayStream
 from ._session import Session
 from ._shield import Once, finish
+from ._trio_bridge import hop, hop_cleanup
 from ._waits import wait_event
 from .context import AsyncKVContext, connect
 from .errors import (
@@ -298,6 +299,7 @@ class FleetMember:
             if self.state == "up" and self._follower is not None:
                 await self.sync.audit()
 
+    @hop_cleanup
     async def aclose(self) -> None:
         """Stop the tasks, close the data-path context and the light session.
 
@@ -351,6 +353,7 @@ class FleetMember:
         self._failures = 0
         return hit
 
+    @hop
     async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
                      timeout: float | None = None) -> int:
         """A direct lookup on this server (raises instead of returning the error)."""
@@ -367,6 +370,7 @@ class FleetMember:
         return result
 
     # ------------------------------------------------------------------ data path
+    @hop
     async def context(self) -> AsyncKVContext:
         """The full per-server :class:`AsyncKVContext` (opened on first call)."""
         if self.state == "closed":
@@ -384,6 +388,7 @@ class FleetMember:
                 self._ctx = ctx
             return self._ctx
 
+    @hop
     async def retrieve(self, tokens: Tokens, *, out: torch.Tensor | None = None,
                        cache_salt: str = "", timeout: float | None = None
                        ) -> torch.Tensor | None:
@@ -395,6 +400,7 @@ class FleetMember:
         finally:
             self.in_flight -= 1
 
+    @hop
     async def store(self, kv: torch.Tensor, tokens: Tokens, *, cache_salt: str = "",
                     timeout: float | None = None) -> StoreResult:
         """:meth:`AsyncKVContext.store` on this server, recorded in the fleet's index.

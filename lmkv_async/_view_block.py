@@ -14,6 +14,7 @@ from types import TracebackType
 
 from . import _ops
 from ._session import Session
+from ._trio_bridge import hop, hop_cleanup
 from .errors import InvalidInputError
 from .memory import Region
 from .metrics import OpStats
@@ -38,6 +39,7 @@ class ViewBlock:
         self._view: RetrieveView | None = None
         self._timer: asyncio.TimerHandle | None = None
 
+    @hop
     async def __aenter__(self) -> RetrieveView:
         if self._hold is not None:
             raise InvalidInputError("a retrieve_view block cannot be entered twice")
@@ -80,6 +82,7 @@ class ViewBlock:
                 "raise ViewClosedError once the TTL runs out", view.held_s, view.safe_hold_s,
                 view.read_ttl)
 
+    @hop_cleanup
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,

@@ -41,6 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ._trio_bridge import hop, hop_cleanup
 from .errors import (
     ClosedError,
     InvalidInputError,
@@ -194,6 +195,7 @@ class KVEventStream:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
+    @hop
     async def next(self) -> KVEvent:
         """The next event (waits for one; cancellation-safe)."""
         if self._closed:
@@ -422,6 +424,7 @@ class KVEventStream:
             self._send_now(control_frames(self._stream_uid_int, "cancel"))
         self._stream_uid = None
 
+    @hop_cleanup
     async def aclose(self) -> None:
         """Cancel the subscription and close the socket (idempotent, never blocks)."""
         if self._closed:

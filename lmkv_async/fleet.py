@@ -39,7 +39,7 @@ from collections.abc import Collection, Iterator, Mapping
 from types import TracebackType
 from typing import Literal
 
-from ._connect import require_asyncio
+from . import _loop_thread
 from ._fleet_host import MemberState, OwnStoreListener, Registration, Source
 from ._fleet_member import (  # noqa: F401  (re-exported)
     DOWN_AFTER,
@@ -49,6 +49,7 @@ from ._fleet_member import (  # noqa: F401  (re-exported)
 )
 from ._index import PrefixIndex
 from ._shield import Once
+from ._trio_bridge import hop, hop_cleanup, on_trio
 from .coordinator import FleetCoordinator, attach_coordinator
 from .errors import (
     ClosedError,
@@ -203,6 +204,7 @@ class Fleet:
         return f"<Fleet {self.model_name!r} {up}/{len(self._members)} up, {self._state}>"
 
     # ------------------------------------------------------------------ lifecycle
+    @hop
     async def open(self) -> Fleet:
         """Join every member concurrently (each within ``connect_timeout``).
 
@@ -211,7 +213,7 @@ class Fleet:
         """
         if self._state != "new":
             return self
-        require_asyncio("Fleet")
+        _loop_thread.track_if_on_loop(self)  # opened for a trio caller: closed at exit
         try:
             if self.coordinator_url:
                 # Before the state is "open": members it adds are joined below, once.
@@ -231,6 +233,7 @@ class Fleet:
         """The HTTP API key (an :class:`~lmkv_async.http.ApiKey`: it never shows itself)."""
         return self._api_key
 
+    @hop_cleanup
     async def aclose(self) -> None:
         """Close every member: no lock, session or registration stays on any server.
 
@@ -267,6 +270,10 @@ class Fleet:
             raise InvalidInputError(f"fleet already has a member named {name!r}")
         if self._state == "closed":
             raise ClosedError("fleet is closed")
+        if self._state == "open" and on_trio():
+            # the fleet lives on the client loop: add (and start the join) there; this
+            # blocks the trio thread only for the bookkeeping, not for the join
+            return _loop_thread.portal().call(self.add_member, name, url, http_url)
         member = FleetMember(self, name, url, http_url)
         self._members[name] = member
         if self._state == "open":
@@ -294,6 +301,7 @@ class Fleet:
         return len(self._members)
 
     # ------------------------------------------------------------------ lookups
+    @hop
     async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
                      timeout: float | None = None,
                      source: Literal["auto", "lookup", "index", "coordinator"] = "auto",
@@ -419,6 +427,7 @@ class Fleet:
             ordered.sources[name] = out.sources[name]
         return ordered
 
+    @hop
     async def best(self, tokens: Tokens, *, cache_salt: str = "",
                    timeout: float | None = None,
                    source: Literal["auto", "lookup", "index", "coordinator"] = "auto",

@@ -36,11 +36,8 @@ returning ``None``/``False``, and :func:`lookup` is public.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import threading
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
@@ -48,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
+from . import _loop_thread
 from .context import AsyncKVContext
 from .context import connect as _aconnect
 from .errors import ClosedError
@@ -57,8 +55,6 @@ from .results import StoreResult
 from .validate import Tokens
 
 if TYPE_CHECKING:
-    from anyio.from_thread import BlockingPortal
-
     from .wire.dialect import Dialect
 
 __all__ = [
@@ -74,68 +70,17 @@ __all__ = [
 T = TypeVar("T")
 
 #: How long interpreter exit waits for contexts still open to close.
-EXIT_CLOSE_TIMEOUT = 10.0
-
-_lock = threading.Lock()
-_portal: BlockingPortal | None = None
-_portal_cm: contextlib.AbstractContextManager[BlockingPortal] | None = None
-_portal_thread: threading.Thread | None = None
-_portal_pid = 0
-#: bumped whenever a loop thread is started; a context belongs to one loop
-_generation = 0
-_hooks_installed = False
-_open_contexts: weakref.WeakSet[SyncKVContext] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # The loop thread does not exist in a forked child; start a new one on demand.
-    global _lock, _portal, _portal_cm, _portal_thread
-    _lock = threading.Lock()
-    _portal = _portal_cm = _portal_thread = None
-    _open_contexts.clear()
-
-
-def _get_portal() -> BlockingPortal:
-    """The process's portal, started on first use."""
-    global _portal, _portal_cm, _portal_thread, _portal_pid, _hooks_installed, _generation
-    portal = _portal
-    if portal is not None and _portal_pid == os.getpid():
-        return portal
-    with _lock:
-        if _portal is not None and _portal_pid == os.getpid():
-            return _portal
-        from anyio.from_thread import start_blocking_portal
-
-        try:
-            cm = start_blocking_portal("asyncio", name="lmkv-sync")
-        except TypeError:  # anyio < 4.? has no name=
-            cm = start_blocking_portal("asyncio")
-        portal = cm.__enter__()
-        thread = portal.call(threading.current_thread)
-        _portal, _portal_cm, _portal_thread, _portal_pid = portal, cm, thread, os.getpid()
-        _generation += 1
-        if not _hooks_installed:
-            _hooks_installed = True
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            # A daemon loop thread lets atexit run; a non-daemon one (older anyio)
-            # would be joined before atexit, so stop it from threading's own exit
-            # hooks, which run first (the hook concurrent.futures uses).
-            register = getattr(threading, "_register_atexit", None)
-            if thread.daemon or register is None:
-                atexit.register(shutdown)
-            else:
-                register(shutdown)
-        return portal
+EXIT_CLOSE_TIMEOUT = _loop_thread.EXIT_CLOSE_TIMEOUT
 
 
 def _run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Run ``await fn(*args)`` on the portal's loop and block until it is done.
+    """Run ``await fn(*args)`` on the client loop and block until it is done.
 
     If the waiting thread is interrupted (``KeyboardInterrupt``), the async call
     is cancelled, so it runs its release steps, and the interrupt propagates.
     """
-    portal = _get_portal()
-    if threading.current_thread() is _portal_thread:
+    portal = _loop_thread.portal()
+    if threading.current_thread() is _loop_thread.thread():
         raise RuntimeError(
             "lmkv_async.sync was called from its own event loop thread, which would "
             "deadlock; await the AsyncKVContext (SyncKVContext.aio) there instead")
@@ -152,31 +97,10 @@ def shutdown(timeout: float = EXIT_CLOSE_TIMEOUT) -> None:
 
     Called at interpreter exit; call it yourself to stop the thread earlier. A
     later :func:`connect` starts a new one. Contexts are closed concurrently,
-    for at most ``timeout`` seconds in all.
+    for at most ``timeout`` seconds in all. (The loop is the one trio callers
+    share too: their contexts and fleets still open are closed as well.)
     """
-    global _portal, _portal_cm, _portal_thread
-    with _lock:
-        portal, cm = _portal, _portal_cm
-        if portal is None or cm is None or _portal_pid != os.getpid():
-            return
-        contexts = [c for c in list(_open_contexts) if not c.closed]
-
-        async def close_all() -> None:
-            import anyio
-
-            with anyio.move_on_after(timeout):
-                async with anyio.create_task_group() as tg:
-                    for c in contexts:
-                        tg.start_soon(c.aio.aclose)
-
-        try:
-            if contexts:
-                portal.call(close_all)
-        finally:
-            _portal = _portal_cm = _portal_thread = None
-            _open_contexts.clear()
-            with contextlib.suppress(Exception):
-                cm.__exit__(None, None, None)
+    _loop_thread.stop(timeout)
 
 
 class SyncKVContext:
@@ -196,7 +120,8 @@ class SyncKVContext:
 
     def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn`` on the loop this context lives on, or raise ClosedError if it is gone."""
-        if self._pid != os.getpid() or self._generation != _generation or _portal is None:
+        if (self._pid != os.getpid() or self._generation != _loop_thread.generation()
+                or not _loop_thread.running()):
             if self._aio.closed:
                 raise ClosedError("context is closed")
             raise ClosedError(
@@ -334,7 +259,7 @@ class SyncKVContext:
         try:
             self._call(self._aio.aclose)
         finally:
-            _open_contexts.discard(self)
+            _loop_thread.forget(self._aio)
 
     def __enter__(self) -> SyncKVContext:
         return self
@@ -358,12 +283,10 @@ def connect(url: str, http_url: str, model_name: str, timeout: float = 60.0,
     Raises the errors of :func:`lmkv_async.connect`.
     """
     async def op() -> SyncKVContext:
-        # runs on the loop, so _generation is this loop's
+        # runs on the loop, so generation() is this loop's
         aio = await _aconnect(url, http_url, model_name, timeout=timeout, **lmkv_options)
-        return SyncKVContext(aio, _generation)
-    ctx = _run(op)
-    _open_contexts.add(ctx)
-    return ctx
+        return SyncKVContext(aio, _loop_thread.generation())
+    return _run(op)
 
 
 def store(ctx: SyncKVContext, kv: torch.Tensor, tokens: Tokens, cache_salt: str = "", *,

@@ -22,7 +22,7 @@ URL, HTTP = "tcp://127.0.0.1:9", "http://127.0.0.1:9"
 
 def test_connect_outside_asyncio_is_a_typed_error() -> None:
     step = lmkv.connect(URL, HTTP, "m", layout=LAYOUT).__await__()
-    with pytest.raises(KVCacheError, match=r"asyncio event loop.*trio") as info:
+    with pytest.raises(KVCacheError, match=r"asyncio or trio event loop") as info:
         step.send(None)
     assert not isinstance(info.value, RuntimeError)
 
@@ -30,5 +30,5 @@ def test_connect_outside_asyncio_is_a_typed_error() -> None:
 def test_fleet_outside_asyncio_is_a_typed_error() -> None:
     fleet = lmkv.Fleet({"a": (URL, HTTP)}, model_name="m", layout=LAYOUT)
     coro = fleet.open()
-    with pytest.raises(KVCacheError, match=r"asyncio event loop.*trio"):
+    with pytest.raises(KVCacheError, match=r"asyncio or trio event loop"):
         coro.send(None)

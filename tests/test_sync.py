@@ -48,7 +48,7 @@ def wait_unregistered(server: LocalServer, instance_id: int, timeout: float = 10
 
 
 def loop_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "lmkv-sync"]
+    return [t for t in threading.enumerate() if t.name == "lmkv-loop"]
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def srv(server_factory: Callable[..., LocalServer]) -> LocalServer:
 
 
 def test_import_starts_nothing() -> None:
-    code = ("import threading, lmkv_async.sync as s; "
+    code = ("import threading, lmkv_async.sync, lmkv_async._loop_thread as s; "
             "print(threading.active_count(), s._portal is None, s._hooks_installed)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
