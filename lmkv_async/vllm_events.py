@@ -62,6 +62,7 @@ from ._vllm_hash import (
     vllm_block_hash,
     vllm_none_hash,
 )
+from ._trio_bridge import hop, hop_cleanup
 from ._waits import wait_event
 from .errors import InvalidInputError, KVCacheError, UnsupportedOperationError
 from .wire.events import (
@@ -185,6 +186,7 @@ class VllmEventPublisher:
             raise InvalidInputError(
                 f"block_size {self._B} does not divide the chunk size {C}")
 
+    @hop
     async def start(self) -> VllmEventPublisher:
         """Bind the sockets and start following the member's events."""
         self._check_block_size()  # before any socket: a bad size sends nothing
@@ -205,6 +207,7 @@ class VllmEventPublisher:
         self.member.fleet._own_store_listeners.append(self._on_own_store)
         return self
 
+    @hop_cleanup
     async def aclose(self) -> None:
         """Stop and close the sockets."""
         with contextlib.suppress(ValueError):
@@ -217,6 +220,7 @@ class VllmEventPublisher:
                 sock.close()
         self._pub = self._replay = None
 
+    @hop
     async def wait_subscribed(self, timeout: float) -> None:
         """Wait until a consumer has subscribed (batches before that are only in the
         replay buffer: PUB/SUB delivers nothing to a subscriber that has not joined).

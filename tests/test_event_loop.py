@@ -1,9 +1,9 @@
-"""Outside asyncio (trio, or a bare coroutine driver) the entry points fail clearly.
+"""Outside both asyncio and trio (a bare coroutine driver) the entry points fail clearly.
 
-lmkv_async's transport and background tasks are asyncio's. Under trio, before this
-check, ``connect`` failed deep inside with ``RuntimeError: no running event loop``.
-Here the coroutines are driven by hand, as a non-asyncio loop would drive them:
-the first step must raise a typed error that names what to do, before any traffic.
+Under trio the calls run on the client loop (tests/test_trio.py). Here the coroutines
+are driven by hand, as a loop that is neither would drive them: the first step must
+raise a typed error that names what to do, before any traffic (and not
+``RuntimeError: no running event loop`` from deep inside).
 """
 
 from __future__ import annotations

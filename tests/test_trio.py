@@ -330,3 +330,41 @@ async def test_fleet_under_trio(pair: dict[str, LocalServer], seen_ids: set[int]
         assert await fleet["b"].lookup(toks) == 2 * C
     for s in (a, b):
         await assert_left_nothing(s, seen_ids)
+
+
+async def test_vllm_publisher_under_trio(server_factory: Callable[..., LocalServer]) -> None:
+    """A Fleet member's vLLM-format publisher started, fed and closed from trio."""
+    import msgspec
+    import zmq
+
+    from lmkv_async.testing import free_port
+    from lmkv_async.vllm_events import VllmEventPublisher
+
+    srv = server_factory("0.5.7rc2", l1_size_gb=0.2)
+    port = free_port()
+    zctx = zmq.Context()
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    try:
+        async with lmkv.Fleet({"gpu-0": (srv.url, srv.http_url)}, model_name=model_name(),
+                              layout=LAYOUT) as fleet:
+            C = fleet["gpu-0"].chunk_size
+            async with VllmEventPublisher(fleet["gpu-0"], endpoint=f"tcp://127.0.0.1:{port}",
+                                          topic="kv") as pub:
+                sub.connect(f"tcp://127.0.0.1:{port}")
+                await pub.wait_subscribed(10)
+                own = tokens(C, 7)
+                await fleet["gpu-0"].store(kv_for(C, 7), own)  # announced from our bookkeeping
+                ready = await trio.to_thread.run_sync(sub.poll, 10_000)
+                assert ready, "nothing published"
+                topic, _seq, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                _ts, events, *_ = msgspec.msgpack.decode(payload)
+                (ev,) = events
+                want = int.from_bytes(hashing.chunk_hashes(own, C)[0], "big") & (2**64 - 1)
+                assert ev["type"] == "BlockStored" and ev["block_hashes"] == [want]
+            assert pub._pub is None  # closed with the block
+    finally:
+        sub.close()
+        zctx.term()
