@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Literal
 import zmq
 import zmq.asyncio
 
+from ._trio_bridge import hop, hop_cleanup
 from ._vllm_hash import (
     VLLM_DEFAULT_SEED,
     HashMode,
@@ -62,7 +63,6 @@ from ._vllm_hash import (
     vllm_block_hash,
     vllm_none_hash,
 )
-from ._trio_bridge import hop, hop_cleanup
 from ._waits import wait_event
 from .errors import InvalidInputError, KVCacheError, UnsupportedOperationError
 from .wire.events import (
