@@ -22,7 +22,6 @@ missing one fails the tests that need it, unless
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from timing import SETTLE
 
@@ -279,14 +279,14 @@ async def assert_quiescent(
                 problems.append(f"{running} operation(s) or release step(s) still running")
         else:
             assert isinstance(target, LocalServer)
-            problems = leak_report(await asyncio.to_thread(target.status), allowed)
+            problems = leak_report(await anyio.to_thread.run_sync(target.status), allowed)
         if not problems:
             return
         if time.monotonic() >= deadline:
             where = "registered context" if ctx is not None else "server"
             raise AssertionError(f"{where} {target!r} not quiescent after {timeout:.1f}s: "
                                  + "; ".join(problems))
-        await asyncio.sleep(0.05)
+        await anyio.sleep(0.05)  # either backend: tests run on asyncio and trio
 
 
 @contextlib.asynccontextmanager

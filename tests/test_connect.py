@@ -19,6 +19,12 @@ from lmkv_async.wire import requests as wire_requests
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_discovered_layout_matches_engine(
     version: str, server_factory: Callable[..., LocalServer], register_engine: Callable[..., Any]
@@ -69,6 +75,7 @@ async def test_lmcache_driven_server_fails_fast(
     fast(time.monotonic() - t0, limit=2 * SLACK, what="must not wait for the 60 s timeout")
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # probes the transport directly
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_dialect_chosen_from_version(
     version: str, server_factory: Callable[..., LocalServer]
