@@ -191,3 +191,19 @@ def register_engine() -> Iterator[Callable[..., EngineRegistration]]:
             return stack.enter_context(registered_engine(server, **kwargs))
 
         yield register
+
+
+@pytest.fixture
+def seen_ids(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """Instance ids of every session made during the test (a connect cut short included)."""
+    from lmkv_async import _session
+
+    ids: set[int] = set()
+    real_init = _session.Session.__init__
+
+    def spy(self: _session.Session, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        ids.add(self.instance_id)
+
+    monkeypatch.setattr(_session.Session, "__init__", spy)
+    return ids

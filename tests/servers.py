@@ -32,7 +32,7 @@ from typing import Any
 
 import anyio
 import pytest
-from timing import SETTLE
+from timing import SETTLE, SLACK
 
 import lmkv_async as lmkv
 from lmkv_async.testing import (
@@ -305,3 +305,33 @@ async def checked_context(
         if not ctx.closed:
             await assert_quiescent(ctx, allowed_instance_ids=allowed)
     await assert_quiescent(server, allowed_instance_ids=allowed)
+
+
+#: how long a cut operation's cleanup may take to leave nothing on the server
+LEFT_NOTHING_WITHIN = 6.0 + SLACK
+
+
+async def left_on(server: LocalServer, instance_ids: set[int]) -> list[str]:
+    """What the server still holds: sessions, locks, and registrations of ``instance_ids``."""
+    status = await anyio.to_thread.run_sync(server.status)
+    problems = [p for p in leak_report(status) if not p.startswith("registered")]
+    regs = {int(i) for i in status.get("registered_non_cuda_instance_ids", [])}
+    if regs & instance_ids:
+        problems.append(f"registrations left: {sorted(regs & instance_ids)}")
+    return problems
+
+
+async def assert_left_nothing(server: LocalServer, instance_ids: set[int], *,
+                              must_have_seen: bool = True) -> None:
+    """Poll until ``server`` holds nothing of ours (on asyncio or trio)."""
+    assert instance_ids or not must_have_seen, "the test saw no context: it proves nothing"
+    deadline = time.monotonic() + LEFT_NOTHING_WITHIN
+    while True:
+        problems = await left_on(server, instance_ids)
+        if not problems:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"left on the server after {LEFT_NOTHING_WITHIN:.1f}s: " + "; ".join(problems)
+            )
+        await anyio.sleep(0.1)

@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from servers import leak_report
+from servers import assert_left_nothing
 from timing import SLACK
 
 import lmkv_async as lmkv
@@ -39,8 +39,6 @@ pytestmark = pytest.mark.anyio
 LAYOUT = lmkv.KVLayout(
     num_layers=4, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, block_size=16
 )
-#: the issue's bound: every row must leave nothing within 6 s
-LEFT_NOTHING_WITHIN = 6.0 + SLACK
 _models = itertools.count()
 
 
@@ -65,44 +63,6 @@ def shm_server(
     request: pytest.FixtureRequest, server_factory: Callable[..., LocalServer]
 ) -> LocalServer:
     return server_factory(request.param, shm=True)
-
-
-async def left_on(server: LocalServer, instance_ids: set[int]) -> list[str]:
-    """What the server still holds: sessions, locks, and registrations of ``instance_ids``."""
-    status = await asyncio.to_thread(server.status)
-    problems = [p for p in leak_report(status) if not p.startswith("registered")]
-    regs = {int(i) for i in status.get("registered_non_cuda_instance_ids", [])}
-    if regs & instance_ids:
-        problems.append(f"registrations left: {sorted(regs & instance_ids)}")
-    return problems
-
-
-async def assert_left_nothing(server: LocalServer, instance_ids: set[int]) -> None:
-    assert instance_ids, "the test saw no context: it proves nothing"
-    deadline = time.monotonic() + LEFT_NOTHING_WITHIN
-    while True:
-        problems = await left_on(server, instance_ids)
-        if not problems:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"left on the server after {LEFT_NOTHING_WITHIN:.1f}s: " + "; ".join(problems)
-            )
-        await asyncio.sleep(0.1)
-
-
-@pytest.fixture
-def seen_ids(monkeypatch: pytest.MonkeyPatch) -> set[int]:
-    """Instance ids of every session made during the test (a connect cut short included)."""
-    ids: set[int] = set()
-    real_init = _session.Session.__init__
-
-    def spy(self: _session.Session, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        ids.add(self.instance_id)
-
-    monkeypatch.setattr(_session.Session, "__init__", spy)
-    return ids
 
 
 class Worker:

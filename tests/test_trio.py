@@ -13,17 +13,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 import trio
-from servers import ServerPool, ServerSpec, leak_report
+from servers import ServerPool, ServerSpec, assert_left_nothing, left_on
 from storer import LmcacheStorer
-from timing import SLACK
 
 import lmkv_async as lmkv
-from lmkv_async import _session
 from lmkv_async.testing import LocalServer
 from lmkv_async.wire import hashing
 from lmkv_async.wire.events import KVResync, KVStored
@@ -32,7 +29,6 @@ pytestmark = pytest.mark.anyio
 
 LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                        block_size=16)
-LEFT_NOTHING_WITHIN = 6.0 + SLACK
 _models = itertools.count()
 
 
@@ -61,43 +57,6 @@ def kv_for(n: int, seed: int) -> torch.Tensor:
 def srv(request: pytest.FixtureRequest, server_factory: Callable[..., LocalServer]
         ) -> LocalServer:
     return server_factory(request.param, shm=True)
-
-
-@pytest.fixture
-def seen_ids(monkeypatch: pytest.MonkeyPatch) -> set[int]:
-    """Instance ids of every session made during the test (one cut short included)."""
-    ids: set[int] = set()
-    real_init = _session.Session.__init__
-
-    def spy(self: _session.Session, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        ids.add(self.instance_id)
-
-    monkeypatch.setattr(_session.Session, "__init__", spy)
-    return ids
-
-
-async def left_on(server: LocalServer, instance_ids: set[int]) -> list[str]:
-    status = await trio.to_thread.run_sync(server.status)
-    problems = [p for p in leak_report(status) if not p.startswith("registered")]
-    regs = {int(i) for i in status.get("registered_non_cuda_instance_ids", [])}
-    if regs & instance_ids:
-        problems.append(f"registrations left: {sorted(regs & instance_ids)}")
-    return problems
-
-
-async def assert_left_nothing(server: LocalServer, instance_ids: set[int], *,
-                              must_have_seen: bool = True) -> None:
-    assert instance_ids or not must_have_seen, "the test saw no context: it proves nothing"
-    deadline = time.monotonic() + LEFT_NOTHING_WITHIN
-    while True:
-        problems = await left_on(server, instance_ids)
-        if not problems:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"left on the server after {LEFT_NOTHING_WITHIN:.1f}s: "
-                                 + "; ".join(problems))
-        await trio.sleep(0.1)
 
 
 # ------------------------------------------------------------------ the operations
