@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
-__all__ = ["EXIT_CLOSE_TIMEOUT", "generation", "loop", "portal", "stop", "thread", "track"]
+__all__ = ["EXIT_CLOSE_TIMEOUT", "forget", "generation", "loop", "portal", "running", "stop",
+           "thread", "track_if_on_loop"]
 
 #: How long interpreter exit waits for objects still open on the loop to close.
 EXIT_CLOSE_TIMEOUT = 10.0
@@ -112,14 +113,10 @@ def running() -> bool:
     return _portal is not None and _pid == os.getpid()
 
 
-def track(obj: Closable) -> None:
-    """Close ``obj`` (with :meth:`aclose`) when the loop stops, if it is still open."""
-    _open.add(obj)
-
-
 def track_if_on_loop(obj: Closable) -> None:
-    """:func:`track` ``obj`` when called on the client loop's thread (opened for trio
-    or for the blocking facade), else nothing: the caller's own loop owns it."""
+    """Close ``obj`` (with ``aclose``) when the loop stops, if still open, when called
+    on the client loop's thread (opened for trio or for the blocking facade); else
+    nothing: the caller's own loop owns it."""
     if _thread is not None and threading.current_thread() is _thread:
         _open.add(obj)
 

@@ -34,7 +34,7 @@ from typing import Any, ParamSpec, TypeVar
 from . import _loop_thread
 from .errors import ClosedError, KVCacheError
 
-__all__ = ["call_on_loop", "hop", "hop_cleanup", "on_trio"]
+__all__ = ["hop", "hop_cleanup", "on_trio"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -74,11 +74,6 @@ def _wrap(fn: Callable[P, Awaitable[T]], *, cleanup: bool
         return await _run_on_loop(fn, args, kwargs, cleanup=cleanup)
 
     return wrapper
-
-
-async def call_on_loop(fn: Callable[[], Awaitable[T]], *, cleanup: bool = False) -> T:
-    """``await fn()`` on the client loop from trio (as a :func:`hop` does)."""
-    return await _run_on_loop(fn, (), {}, cleanup=cleanup)
 
 
 async def _run_on_loop(fn: Callable[..., Awaitable[T]], args: tuple[Any, ...],
