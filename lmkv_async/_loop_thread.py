@@ -49,10 +49,18 @@ _hooks_installed = False
 _open: weakref.WeakSet[Closable] = weakref.WeakSet()
 
 
+#: A forked child's references to its parent's portal. They are kept, never dropped:
+#: dropping the portal's context manager finalizes it, and its ``finally`` calls into
+#: the parent's loop thread, which does not exist in the child, so the child hangs.
+_parent_portal: list[object] = []
+
+
 def _after_fork_in_child() -> None:
     # The loop thread does not exist in a forked child; start a new one on demand.
     global _lock, _portal, _portal_cm, _thread, _loop
-    _lock = threading.Lock()
+    _lock = threading.Lock()  # another thread of the parent may have held the old one
+    if _portal_cm is not None:
+        _parent_portal.append((_portal, _portal_cm, _thread, _loop))
     _portal = _portal_cm = _thread = _loop = None
     _open.clear()
 

@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -732,7 +733,19 @@ def test_fork_resets_pool() -> None:
                 os._exit(0 if ok else 1)
             except BaseException:
                 os._exit(2)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert _wait_child(pid, timeout=60.0) == 0
     finally:
         kc._ext.set_thresholds(*prev)
+
+
+def _wait_child(pid: int, timeout: float) -> int:
+    """The forked child's exit code; a child that hangs fails the test instead of the run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the forked child did not exit within {timeout:.0f}s (a deadlock)")

@@ -240,3 +240,42 @@ def test_interpreter_exit_closes_contexts_left_open(srv: LocalServer) -> None:
     instance = json.loads(out.stdout.strip().splitlines()[-1])["instance"]
     # unregistered by the exit hook (not by the server's reaper, which takes 120 s)
     wait_unregistered(srv, instance, timeout=5.0)
+
+
+def test_forked_child_uses_the_facade_without_hanging(srv: LocalServer) -> None:
+    """A process that used the facade forks a worker (multiprocessing's fork, gunicorn's
+    preload): the child must not hang on the parent's loop thread, which it does not
+    have, and can connect on a loop thread of its own; the parent goes on working."""
+    script = textwrap.dedent(f"""
+        import gc, os, sys, torch
+        import lmkv_async
+        from lmkv_async import sync as kvcache
+        layout = lmkv_async.KVLayout(2, 2, 64, torch.bfloat16, 16)
+        tokens = list(range(70_000, 70_000 + {C}))
+        kv = torch.ones(2, 2, {C}, 128, dtype=torch.bfloat16)
+        ctx = kvcache.connect({srv.url!r}, {srv.http_url!r}, "sync-fork", layout=layout)
+        kvcache.store(ctx, kv, tokens)
+        print(ctx.instance_id, flush=True)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                gc.collect()  # finalizes what the child dropped of the parent's loop
+                with kvcache.connect({srv.url!r}, {srv.http_url!r}, "sync-fork",
+                                     layout=layout) as child:
+                    ok = child.lookup(tokens) == {C}
+                    print(child.instance_id, flush=True)
+                os._exit(0 if ok else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert kvcache.lookup(ctx, tokens) == {C}
+        kvcache.close(ctx)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    instances = [int(line) for line in out.stdout.split()]
+    assert len(set(instances)) == 2, out.stdout  # the parent's and the child's
+    for instance in instances:  # both closed: neither left its registration
+        wait_unregistered(srv, instance, timeout=5.0)
