@@ -200,7 +200,13 @@ def install_package(session: nox.Session, extra: str = "") -> None:
     session.install("--no-deps", "--force-reinstall", ".")
 
 
-def _pytest_args(session: nox.Session, marker: str) -> list[str]:
+#: pytest-xdist workers for ``nox -s tests`` (``$LMKV_TEST_WORKERS``; 0 runs in one
+#: process). The suite mostly waits on servers (start-up, reap timeouts, deadlines), so two
+#: workers on CI's 2 cores about halve its wall time; ``-n`` after ``--`` overrides this.
+TEST_WORKERS = os.environ.get("LMKV_TEST_WORKERS", "2")
+
+
+def _pytest_args(session: nox.Session, marker: str, workers: str = "0") -> list[str]:
     """pytest argv: paths made absolute (we run from a temp dir), default marker first."""
     args: list[str] = []
     has_path = False
@@ -221,12 +227,15 @@ def _pytest_args(session: nox.Session, marker: str) -> list[str]:
         str(ROOT / "pyproject.toml"),
         "-m",
         marker,  # a later -m in posargs overrides this one
-        *args,
+        # worksteal: an idle worker takes queued tests from a busy one (the long
+        # fault and fleet tests would otherwise end the run on one worker)
+        *(["-n", workers, "--dist", "worksteal"] if workers != "0" else ["-p", "no:xdist"]),
+        *args,  # a later -n in posargs overrides the one above
         *([] if has_path else [str(ROOT / "tests")]),
     ]
 
 
-def run_pytest(session: nox.Session, marker: str) -> None:
+def run_pytest(session: nox.Session, marker: str, workers: str = "0") -> None:
     """Run pytest against the installed package, from a directory outside the source tree.
 
     Exit code 5 ("no tests collected") fails the session like any non-zero code.
@@ -246,7 +255,8 @@ def run_pytest(session: nox.Session, marker: str) -> None:
     )
     session.chdir(tmp)
     # -P: never put the current directory on sys.path (belt and braces; we are in tmp).
-    session.run("python", "-P", "-m", "pytest", *_pytest_args(session, marker), env=env)
+    session.run("python", "-P", "-m", "pytest", *_pytest_args(session, marker, workers),
+                env=env)
 
 
 # --------------------------------------------------------------------------- sessions
@@ -254,8 +264,8 @@ def run_pytest(session: nox.Session, marker: str) -> None:
 
 @nox.session(reuse_venv=True)
 def tests(session: nox.Session) -> None:
-    """The test suite minus soak tests (pass pytest args after --)."""
-    run_pytest(session, "not soak")
+    """The test suite minus soak tests, on TEST_WORKERS processes (pytest args after --)."""
+    run_pytest(session, "not soak", TEST_WORKERS)
 
 
 @nox.session(reuse_venv=True)

@@ -39,6 +39,9 @@ import sys
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
+_PR_SET_PDEATHSIG = 1
+#: a Unix socket's path fits in sockaddr_un.sun_path (108 bytes with the NUL)
+_SUN_PATH_MAX = 107
 
 
 def loopback_up() -> None:
@@ -109,8 +112,27 @@ def main(argv: list[str]) -> int:
         # Not a private namespace: refuse rather than expose 0.0.0.0.
         print(f"refusing to start: interfaces {names} (run under unshare -n)", file=sys.stderr)
         return 3
-    child = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", *args])
-    return asyncio.run(_relay(uds, port, child))
+    if len(os.fsencode(uds)) > _SUN_PATH_MAX:
+        print(f"refusing to start: socket path longer than {_SUN_PATH_MAX} bytes: {uds}",
+              file=sys.stderr)
+        return 2
+    child = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", *args],
+                             preexec_fn=_die_with_parent)
+    try:
+        return asyncio.run(_relay(uds, port, child))
+    finally:
+        # Whatever ended the relay (an error included), the indexer goes with it.
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _die_with_parent() -> None:
+    """In the indexer's process: SIGKILL it when this script dies, however it dies."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 if __name__ == "__main__":

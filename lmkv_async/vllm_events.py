@@ -92,6 +92,23 @@ log = logging.getLogger("lmkv_async.vllm_events")
 Record = KVStored | KVRemoved | KVResync
 
 
+#: ``ipc://`` paths are Unix socket paths: at most this many bytes (``sun_path`` less its NUL)
+_IPC_PATH_MAX = 107
+
+
+def _check_endpoint(name: str, endpoint: object) -> None:
+    """A clear error for an endpoint ZMQ would refuse at bind time (after the first
+    socket is already bound)."""
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise InvalidInputError(f"{name} must be a ZMQ address such as 'tcp://127.0.0.1:5557'")
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if len(path.encode()) > _IPC_PATH_MAX:
+            raise InvalidInputError(
+                f"{name}: an ipc:// path holds at most {_IPC_PATH_MAX} bytes, this one "
+                f"{len(path.encode())} ({path!r}); use a shorter directory such as /tmp")
+
+
 class VllmEventPublisher:
     """vLLM's KV-event stream (PUB + replay ROUTER) for one fleet member.
 
@@ -141,6 +158,9 @@ class VllmEventPublisher:
             raise InvalidInputError("hash_seed must be a string")
         if worker_id is not None and (type(worker_id) is not int or worker_id < 0):
             raise InvalidInputError("worker_id must be a non-negative int or None")
+        _check_endpoint("endpoint", endpoint)
+        if replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", replay_endpoint)
         self.member = member
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint

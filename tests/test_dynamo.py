@@ -17,12 +17,16 @@ chunk, which LMCache cannot serve: that is checked too, as a fact to document.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shutil
+import signal
 import subprocess
+import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -71,20 +75,57 @@ class Dynamo:
         return {int(k): int(v["longest_matched"]) for k, v in inst.items()}
 
 
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for Unix sockets: ``sun_path`` holds 107 bytes, and pytest's
+    ``tmp_path`` under a deep checkout (or a pytest-xdist worker) is longer than that."""
+    d = Path(tempfile.mkdtemp(prefix="lmkv-dyn-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the wrapper and everything it started (the indexer too, even if the wrapper
+    died before it could stop it): it runs in its own process group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(15)
+
+
 @asynccontextmanager
-async def dynamo(tmp: Path, *, block_size: int, workers: str, model: str
+async def dynamo(tmp: Path, socks: Path, *, block_size: int, workers: str, model: str
                  ) -> AsyncIterator[Dynamo]:
-    uds = tmp / "dynamo-http.sock"
+    uds = socks / "dynamo-http.sock"
     unshare = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
     log = open(tmp / "dynamo.log", "wb")
+    hello_path = tmp / "dynamo.hello"
+    hello_file = open(hello_path, "wb")
     proc = subprocess.Popen(
         [*unshare, dynamo_python(), str(NETNS), str(uds), "--", "--block-size", str(block_size),
          "--port", "8090", "--threads", "1", "--model-name", model, "--workers", workers],
-        stdout=subprocess.PIPE, stderr=log, env={**os.environ, "DO_NOT_TRACK": "1"})
+        stdout=hello_file, stderr=log, env={**os.environ, "DO_NOT_TRACK": "1"},
+        start_new_session=True)
+    hello_file.close()
     try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
-        assert line, f"dynamo_netns.py exited (rc={proc.poll()}); see {tmp / 'dynamo.log'}"
+        # The first stdout line, read from a file by polling: a thread blocked on a pipe
+        # that an orphaned child keeps open would hang the event loop's shutdown.
+        async def first_line() -> bytes | None:
+            data = hello_path.read_bytes()
+            if b"\n" in data:
+                return data.split(b"\n", 1)[0]
+            assert proc.poll() is None, (
+                f"dynamo_netns.py exited (rc={proc.returncode}); see {tmp / 'dynamo.log'}")
+            return None
+
+        line = await eventually(first_line, 60, interval=0.05, what="dynamo_netns.py hello")
         hello = json.loads(line)
         assert hello["interfaces"] == ["lo"]  # a private namespace: nothing else to bind
         transport = httpx.AsyncHTTPTransport(uds=str(uds))
@@ -101,12 +142,7 @@ async def dynamo(tmp: Path, *, block_size: int, workers: str, model: str
             await eventually(ready, 60, what="dynamo listeners active")
             yield Dynamo(client, model)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        await asyncio.to_thread(_stop_group, proc)
         log.close()
 
 
@@ -159,7 +195,8 @@ def _kv(n: int) -> torch.Tensor:
 @pytest.mark.parametrize(("block_size", "encoding"),
                          [(16, "map"), (16, "array"), (256, "map"), (256, "array")])
 async def test_dynamo_credits_lmcache_cpu_tier(server_factory: Any, tmp_path: Path,
-                                               block_size: int, encoding: str) -> None:
+                                               sock_dir: Path, block_size: int,
+                                               encoding: str) -> None:
     """Prompt A (3 chunks) stored lmcache-driven on s1; B (1 chunk) and A's first chunk
     stored through the fleet on s2; then s2 is cleared (removals)."""
     s1 = server_factory("0.5.7rc2", l1_size_gb=0.2)
@@ -171,15 +208,15 @@ async def test_dynamo_credits_lmcache_cpu_tier(server_factory: Any, tmp_path: Pa
     try:
         async with lmkv.Fleet({"s1": (s1.url, s1.http_url), "s2": (s2.url, s2.http_url)},
                               model_name=model, layout=LAYOUT) as fleet:
-            pubs = [VllmEventPublisher(fleet[n], endpoint=f"ipc://{tmp_path}/pub-{n}",
-                                       replay_endpoint=f"ipc://{tmp_path}/rep-{n}",
+            pubs = [VllmEventPublisher(fleet[n], endpoint=f"ipc://{sock_dir}/pub-{n}",
+                                       replay_endpoint=f"ipc://{sock_dir}/rep-{n}",
                                        block_size=block_size, hash_mode="dynamo",
                                        encoding=encoding,  # type: ignore[arg-type]
                                        worker_id=ids[n]) for n in ("s1", "s2")]
             for p in pubs:
                 await p.start()
             try:
-                async with dynamo(tmp_path, block_size=block_size, model=model,
+                async with dynamo(tmp_path, sock_dir, block_size=block_size, model=model,
                                   workers=dynamo_workers_arg(pubs)) as dyn:
                     for p in pubs:
                         await p.wait_subscribed(SETTLE)
@@ -215,7 +252,8 @@ async def test_dynamo_credits_lmcache_cpu_tier(server_factory: Any, tmp_path: Pa
 
 
 @pytest.mark.anyio
-async def test_dynamo_after_server_restart(server_factory: Any, tmp_path: Path) -> None:
+async def test_dynamo_after_server_restart(server_factory: Any, tmp_path: Path,
+                                           sock_dir: Path) -> None:
     """A restart voids the server's CPU tier: the publisher resets Dynamo's view of that
     worker (AllBlocksCleared), and stores after the restart are credited again."""
     srv = server_factory("0.5.7rc2", l1_size_gb=0.2, private=True)
@@ -225,10 +263,10 @@ async def test_dynamo_after_server_restart(server_factory: Any, tmp_path: Path) 
     try:
         async with lmkv.Fleet({"s1": (srv.url, srv.http_url)}, model_name=model,
                               layout=LAYOUT) as fleet:
-            pubs = [await VllmEventPublisher(fleet["s1"], endpoint=f"ipc://{tmp_path}/pub",
+            pubs = [await VllmEventPublisher(fleet["s1"], endpoint=f"ipc://{sock_dir}/pub",
                                              block_size=16, worker_id=5).start()]
             try:
-                async with dynamo(tmp_path, block_size=16, model=model,
+                async with dynamo(tmp_path, sock_dir, block_size=16, model=model,
                                   workers=dynamo_workers_arg(pubs)) as dyn:
                     await pubs[0].wait_subscribed(SETTLE)
                     await astore(storer, A)

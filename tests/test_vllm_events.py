@@ -255,6 +255,19 @@ def test_block_size_must_divide_the_chunk_and_bad_arguments_are_typed() -> None:
     assert _pub(block_size=16).block_size == 16 and _pub().block_size == 64
 
 
+def test_an_ipc_path_too_long_to_bind_is_refused_before_any_socket() -> None:
+    """ZMQ would refuse it only at bind time, after the PUB socket is already bound."""
+    long_dir = "/tmp/" + "d" * 120
+    member = _Member()
+    for kw in ({"endpoint": f"ipc://{long_dir}/pub"},
+               {"endpoint": "ipc:///tmp/pub", "replay_endpoint": f"ipc://{long_dir}/rep"},
+               {"endpoint": "127.0.0.1:5557"}):
+        with pytest.raises(lmkv.errors.InvalidInputError, match="endpoint"):
+            VllmEventPublisher(member, **kw)  # type: ignore[arg-type]
+    ok = VllmEventPublisher(member, endpoint="ipc:///tmp/" + "p" * 90)  # type: ignore[arg-type]
+    assert ok.endpoint.endswith("p" * 90)
+
+
 def test_parents_first_one_batch_exact_removals_and_resets() -> None:
     C, B = 64, 16
     toks = random.Random(5).choices(range(2**31), k=3 * C)
