@@ -103,10 +103,11 @@ def _check_endpoint(name: str, endpoint: object) -> None:
         raise InvalidInputError(f"{name} must be a ZMQ address such as 'tcp://127.0.0.1:5557'")
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
-        if len(path.encode()) > _IPC_PATH_MAX:
+        size = len(path.encode())
+        if size > _IPC_PATH_MAX:
             raise InvalidInputError(
                 f"{name}: an ipc:// path holds at most {_IPC_PATH_MAX} bytes, this one "
-                f"{len(path.encode())} ({path!r}); use a shorter directory such as /tmp")
+                f"{size} ({path!r}); use a shorter directory such as /tmp")
 
 
 class VllmEventPublisher:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from timing import eventually_sync
 
 from lmkv_async import kernel as kc
 from lmkv_async import memory
@@ -740,12 +741,15 @@ def test_fork_resets_pool() -> None:
 
 def _wait_child(pid: int, timeout: float) -> int:
     """The forked child's exit code; a child that hangs fails the test instead of the run."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def exited() -> tuple[int, int] | None:
         done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(f"the forked child did not exit within {timeout:.0f}s (a deadlock)")
+        return (done, status) if done else None
+
+    try:
+        _, status = eventually_sync(exited, timeout, what="the forked child exits (a deadlock?)")
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    return os.waitstatus_to_exitcode(status)
