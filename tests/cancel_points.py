@@ -12,6 +12,18 @@ cancelled, in one of three ways users really do it:
 * ``anyio_scope``: ``CancelScope.cancel()`` on an anyio scope around the call
   (level-triggered: Starlette's cancel-on-disconnect, ``move_on_after``).
 
+Under trio (:data:`TRIO_MODES`) the operation's await points are those of the
+tasks it runs on the client loop (the asyncio loop the library uses under trio),
+counted the same way; at the k-th one the caller's *trio* scope is cut:
+
+* ``trio_scope``: ``trio.CancelScope.cancel()`` on a scope around the call;
+* ``trio_fail_after``: a ``trio.fail_after`` around the call whose deadline passes
+  now (the caller sees ``trio.TooSlowError``).
+
+The k-th point holds the loop thread until the cancellation has crossed back to
+the loop (or for :data:`_CROSS_WAIT` when none comes: a cleanup is not cut), so
+the cut lands at that point, not some steps later.
+
 :func:`cancel_at` returns whether the cancellation fired before the operation
 completed, and checks that a fired one surfaced to the caller as that
 cancellation (not swallowed, not turned into another error).
@@ -20,6 +32,8 @@ cancellation (not swallowed, not turned into another error).
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +41,9 @@ from typing import Any
 import anyio
 
 MODES = ("task_cancel", "asyncio_timeout", "anyio_scope")
+TRIO_MODES = ("trio_scope", "trio_fail_after")
+#: how long the k-th point waits for a trio cancellation to reach the client loop
+_CROSS_WAIT = 0.2
 
 
 @dataclass
@@ -89,12 +106,7 @@ class Outcome:
     yields: int = 0
 
 
-async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outcome:
-    """Run ``op()`` and cancel the caller's scope at the k-th await point (see module)."""
-    loop = asyncio.get_running_loop()
-    counter = _Counter(k)
-    old_factory = loop.get_task_factory()
-
+def _counting_factory(counter: _Counter) -> Callable[..., asyncio.Task[Any]]:
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
         if counter.active and asyncio.iscoroutine(coro):
             inner, coro = coro, _counted(coro, counter)
@@ -105,6 +117,18 @@ async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outc
             task.add_done_callback(lambda _t: inner.close())
             return task
         return asyncio.Task(coro, loop=loop, **kwargs)
+
+    return factory
+
+
+async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outcome:
+    """Run ``op()`` and cancel the caller's scope at the k-th await point (see module)."""
+    if mode in TRIO_MODES:
+        return await _trio_cancel_at(k, mode, op)
+    loop = asyncio.get_running_loop()
+    counter = _Counter(k)
+    old_factory = loop.get_task_factory()
+    factory = _counting_factory(counter)
 
     async def caller() -> Any:
         return await _Counted(op(), counter)  # type: ignore[arg-type]
@@ -164,6 +188,75 @@ async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outc
     return out
 
 
+async def _trio_cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outcome:
+    import trio
+
+    from lmkv_async import _loop_thread
+
+    loop = _loop_thread.loop()
+    token = trio.lowlevel.current_trio_token()
+    trio_thread = threading.get_ident()
+    counter = _Counter(k)
+    crossed = threading.Event()
+    real_call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def watching_call_soon_threadsafe(*args: Any, **kwargs: Any) -> Any:
+        # the library handing a cancellation (or any call) from the trio thread to the loop
+        handle = real_call_soon_threadsafe(*args, **kwargs)
+        if threading.get_ident() == trio_thread:
+            crossed.set()
+        return handle
+
+    scope = trio.CancelScope() if mode == "trio_scope" else None
+
+    def cut(sc: trio.CancelScope) -> bool:
+        def now() -> None:
+            if mode == "trio_scope":
+                sc.cancel()
+            else:
+                sc.deadline = -math.inf  # the deadline passes: fail_after raises TooSlowError
+
+        crossed.clear()
+        try:
+            token.run_sync_soon(now)
+        except trio.RunFinishedError:
+            return False
+        crossed.wait(_CROSS_WAIT)  # runs on the loop thread: hold it until the cut lands
+        return True
+
+    out = Outcome(False, False)
+    # Task creation on the loop reads the factory attribute; setting it from here is
+    # one attribute store, seen by the next task the loop creates.
+    old_factory = loop.get_task_factory()
+    loop.set_task_factory(_counting_factory(counter))
+    loop.call_soon_threadsafe = watching_call_soon_threadsafe  # type: ignore[method-assign]
+    try:
+        if mode == "trio_scope":
+            assert scope is not None
+            counter.trigger = lambda: cut(scope)
+            with scope:
+                out.result = await op()
+            out.surfaced = scope.cancelled_caught
+        elif mode == "trio_fail_after":
+            try:
+                with trio.fail_after(3600) as deadline_scope:
+                    counter.trigger = lambda: cut(deadline_scope)
+                    out.result = await op()
+            except trio.TooSlowError:
+                out.surfaced = True
+        else:
+            raise ValueError(mode)
+    except Exception as exc:
+        out.error = exc
+    finally:
+        counter.active = False
+        del loop.call_soon_threadsafe  # back to the class's method
+        loop.set_task_factory(old_factory)
+    out.fired = counter.fired
+    out.yields = counter.yields
+    return out
+
+
 def points(total: int, limit: int, seed: int) -> list[int]:
     """Which k to try once an operation is known to yield ``total`` times: all of
     them up to ``limit``, else the first and last few and a seeded sample between."""
@@ -178,8 +271,9 @@ def points(total: int, limit: int, seed: int) -> list[int]:
     return sorted(edge + rng.sample(middle, limit - len(edge)))
 
 
-async def count_points(op: Callable[[], Awaitable[Any]]) -> int:
-    """How many await points ``op()`` passes with no cancellation."""
-    out = await cancel_at(10**9, "task_cancel", op)
+async def count_points(op: Callable[[], Awaitable[Any]], mode: str = "task_cancel") -> int:
+    """How many await points ``op()`` passes with no cancellation (counted as ``mode``
+    counts them: on the caller's loop, or on the client loop for a trio mode)."""
+    out = await cancel_at(10**9, mode, op)
     assert not out.fired and out.error is None, out.error
     return out.yields

@@ -1,7 +1,8 @@
 """Every public operation, cancelled at its k-th await point, for k = 1, 2, ... (real servers).
 
-For each operation and each way of cancelling (``Task.cancel``, ``asyncio.timeout``,
-an anyio cancel scope: see ``cancel_points.py``), the operation is cancelled at
+For each operation and each way of cancelling (on asyncio: ``Task.cancel``,
+``asyncio.timeout``, an anyio cancel scope; under trio: a trio cancel scope and
+``trio.fail_after``: see ``cancel_points.py``), the operation is cancelled at
 the k-th point where it, or a task it started, yields to the loop, for every k up
 to the number of points it passes (a seeded sample past :data:`LIMIT`), and once
 more past the end so that it completes. After each run:
@@ -17,15 +18,16 @@ Against real 0.5.6 and 0.5.7rc2 SHM servers.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import pytest
 import torch
-from cancel_points import MODES, cancel_at, count_points, points
+from cancel_points import MODES, TRIO_MODES, cancel_at, count_points, points
 from servers import assert_no_leaks, assert_quiescent
 from timing import SETTLE
 
@@ -41,6 +43,13 @@ LAYOUT = lmkv.KVLayout(
 LIMIT = 24
 _models = itertools.count()
 _fresh = itertools.count(1)
+
+#: (backend, way of cancelling): each harness test runs on asyncio with its three ways
+#: and under trio with its two
+BACKEND_MODES = pytest.mark.parametrize(
+    ("anyio_backend", "mode"),
+    [("asyncio", m) for m in MODES] + [("trio", m) for m in TRIO_MODES],
+)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -168,7 +177,7 @@ async def run_harness(
     after_each: Callable[[], Awaitable[None]],
 ) -> tuple[int, int]:
     """Cancel ``op`` at each chosen k; returns (points counted, runs cut short)."""
-    total = await count_points(op)
+    total = await count_points(op, mode)
     await after_each()
     assert total > 0
     cut = 0
@@ -197,7 +206,7 @@ async def run_harness(
     return total, cut
 
 
-@pytest.mark.parametrize("mode", MODES)
+@BACKEND_MODES
 @pytest.mark.parametrize("name", OPS)
 async def test_operation_cancelled_at_every_point(
     ctx: lmkv.AsyncKVContext, name: str, mode: str
@@ -215,7 +224,7 @@ async def test_operation_cancelled_at_every_point(
     assert cut > 0, f"{name}: no run was cut short out of {total} points: proves nothing"
 
 
-@pytest.mark.parametrize("mode", MODES)
+@BACKEND_MODES
 async def test_connect_cancelled_at_every_point(shm_server: LocalServer, mode: str) -> None:
     model = f"cancel-harness-{next(_models)}"
     made: list[lmkv.AsyncKVContext] = []
@@ -236,7 +245,7 @@ async def test_connect_cancelled_at_every_point(shm_server: LocalServer, mode: s
     assert cut > 0 and total > 10
 
 
-@pytest.mark.parametrize("mode", MODES)
+@BACKEND_MODES
 async def test_aclose_cancelled_at_every_point(shm_server: LocalServer, mode: str) -> None:
     model = f"cancel-harness-{next(_models)}"
     current: list[lmkv.AsyncKVContext] = []
@@ -248,7 +257,7 @@ async def test_aclose_cancelled_at_every_point(shm_server: LocalServer, mode: st
         current[:] = [ctx]  # ours to close from here on, whatever happens next
         C = ctx.chunk_size
         await ctx.store(kv_for(C, 1), tokens(C, next(_fresh)))
-        await asyncio.sleep(0)
+        await anyio.sleep(0)
         await ctx.aclose()
 
     async def after_each() -> None:
@@ -266,7 +275,7 @@ async def test_aclose_cancelled_at_every_point(shm_server: LocalServer, mode: st
 FLEET_OPS = ["fleet_lookup", "fleet_best", "member_retrieve", "member_retrieve_out"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@BACKEND_MODES
 @pytest.mark.parametrize("name", FLEET_OPS)
 async def test_fleet_operation_cancelled_at_every_point(
     shm_server: LocalServer, name: str, mode: str
@@ -314,7 +323,7 @@ async def test_fleet_operation_cancelled_at_every_point(
 
 
 # ------------------------------------------------------------------ KV events
-@pytest.mark.parametrize("mode", MODES)
+@BACKEND_MODES
 async def test_kv_events_iteration_cancelled_at_every_point(
     shm_server: LocalServer, mode: str
 ) -> None:
@@ -343,18 +352,18 @@ async def test_kv_events_iteration_cancelled_at_every_point(
             return seen
 
         async def subscribers() -> int:
-            status = await asyncio.to_thread(shm_server.status)
+            status = await anyio.to_thread.run_sync(shm_server.status)
             return int(status["kv_events"]["subscribers"])
 
         async def after_each() -> None:
             assert all(s.closed for s in streams), "a cut-short stream was left open"
             streams.clear()
-            deadline = asyncio.get_running_loop().time() + SETTLE
+            deadline = time.monotonic() + SETTLE
             while (n := await subscribers()) != 0:
-                assert asyncio.get_running_loop().time() < deadline, (
+                assert time.monotonic() < deadline, (
                     f"{n} KV-event subscription(s) left on the server"
                 )
-                await asyncio.sleep(0.05)
+                await anyio.sleep(0.05)
             await assert_quiescent(ctx)
             await base.check()
 
