@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from . import _ops
 from ._fleet_host import FleetHost, MemberState
 from ._session import Session
+from ._trio_bridge import hop
 from .errors import (
     KVCacheError,
     ServerTimeoutError,
@@ -418,6 +419,7 @@ class OwnReplayStream(KVEventStream):
         self._owner = sync
         self._replay: list[KVStored] = []
 
+    @hop  # the override replaces KVEventStream.next's own hop: it awaits lookups too
     async def next(self) -> KVEvent:
         if self._replay:
             return self._replay.pop(0)

@@ -7,13 +7,14 @@ this library or the official SDK are engine-driven and log none).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import time
 import uuid
 from pathlib import Path
+
+import anyio
 
 from lmkv_async.testing import LocalServer, server_env
 from lmkv_async.testing.engine import REGISTER_SCRIPT
@@ -86,4 +87,4 @@ class LmcacheStorer:
 
 
 async def astore(storer: LmcacheStorer, tokens: list[int], salt: str = "") -> None:
-    await asyncio.to_thread(storer.store, tokens, salt)
+    await anyio.to_thread.run_sync(storer.store, tokens, salt)  # asyncio or trio

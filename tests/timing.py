@@ -14,12 +14,13 @@ editing tests. Every timing bound and every polling timeout is derived from it.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import anyio
 
 #: Accepted lateness in seconds (``$LMKV_TEST_SLACK``).
 SLACK = float(os.environ.get("LMKV_TEST_SLACK", "1.5"))
@@ -71,7 +72,7 @@ async def eventually(cond: Callable[[], Any], timeout: float | None = None, *,
             label = what() if callable(what) else what
             raise AssertionError(f"not true after {timeout:.1f}s: {label or cond!r} "
                                  f"(last: {value!r})")
-        await asyncio.sleep(interval)
+        await anyio.sleep(interval)  # either backend (asyncio or trio)
 
 
 def eventually_sync(cond: Callable[[], Any], timeout: float | None = None, *,
