@@ -1,14 +1,19 @@
-"""AsyncKVContext against real lmcache servers (0.5.2 and 0.5.6, SHM and pickle)."""
+"""AsyncKVContext against real lmcache servers (0.5.2 and 0.5.6, SHM and pickle).
+
+Every async test runs on asyncio and under trio (through the client loop), unless
+marked otherwise. :func:`gather` is the backend-neutral ``asyncio.gather`` the
+other modules import too.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from servers import VERSIONS, assert_no_leaks, assert_quiescent, checked_context
@@ -18,6 +23,13 @@ import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
+
 
 LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                        block_size=16)
@@ -50,6 +62,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     itype = torch.int32 if a.element_size() == 4 else torch.int16
     return a.shape == b.shape and torch.equal(a.contiguous().view(itype),
                                               b.contiguous().view(itype))
+
+
+async def gather(*aws: Awaitable[Any]) -> list[Any]:
+    """Await ``aws`` concurrently, each in its own task of a task group (asyncio or trio);
+    their results in argument order (``asyncio.gather`` for either backend)."""
+    results: list[Any] = [None] * len(aws)
+
+    async def run(i: int, aw: Awaitable[Any]) -> None:
+        results[i] = await aw
+
+    async with anyio.create_task_group() as tg:
+        for i, aw in enumerate(aws):
+            tg.start_soon(run, i, aw)
+    return results
 
 
 @pytest.fixture
@@ -295,16 +321,14 @@ async def test_shm_unmappable_falls_back_or_raises(
 
 
 async def test_many_concurrent_operations(ctx: lmkv.AsyncKVContext) -> None:
-    import asyncio
-
     C = ctx.chunk_size
     seqs = [tokens_for(2 * C) for _ in range(12)]
     kvs = [random_kv(LAYOUT, 2 * C, seed=100 + i) for i in range(12)]
-    results = await asyncio.gather(*(ctx.store(kv, t) for kv, t in zip(kvs, seqs, strict=True)))
+    results = await gather(*(ctx.store(kv, t) for kv, t in zip(kvs, seqs, strict=True)))
     assert all(r.written_chunks == 2 for r in results)
-    hits = await asyncio.gather(*(ctx.lookup(t) for t in seqs))
+    hits = await gather(*(ctx.lookup(t) for t in seqs))
     assert hits == [2 * C] * 12
-    outs = await asyncio.gather(*(ctx.retrieve(t) for t in seqs))
+    outs = await gather(*(ctx.retrieve(t) for t in seqs))
     for out, kv in zip(outs, kvs, strict=True):
         assert out is not None and same_bits(out, kv)
 
@@ -516,29 +540,41 @@ async def test_aclose_waits_for_operations_in_flight(server: LocalServer) -> Non
         await ctx.store(kv, toks)
     await assert_quiescent(ctx)  # no release step of the set-up left in flight
     started = 0
+    results: list[Any] = [None] * 6
+    done = [False] * 6
 
-    async def call(coro: Any) -> Any:
+    async def call(i: int, coro: Any) -> None:
         nonlocal started
-        started += 1  # the call passes its open-context check in this same step
-        return await coro
+        # On asyncio the call passes its open-context check in this same step; under
+        # trio it hands the call to the client loop in this step, ahead of aclose()'s
+        # hand-over below, and the loop runs them in that order.
+        started += 1
+        try:
+            results[i] = await coro
+        except Exception as exc:  # as gather(return_exceptions=True): judged below
+            results[i] = exc
+        done[i] = True
 
-    calls = [asyncio.create_task(call(ctx.retrieve(t))) for t in seqs[:3]]
-    calls += [asyncio.create_task(call(ctx.store(kv, t)))
-              for kv, t in zip(kvs[3:], seqs[3:], strict=True)]
-    try:
-        # Close the moment all six have started: none can have finished, since each needs
-        # server round trips. (Polling for requests in flight raced with fast replies, and a
-        # failed poll left the registration on the shared server for every later test.)
-        for _ in range(100):
-            if started == 6:
-                break
-            await asyncio.sleep(0)
-        assert started == 6, started
-        assert not any(c.done() for c in calls), "a call finished before aclose() began"
-    finally:
-        await ctx.aclose()
-    assert ctx.closed
-    results = await asyncio.gather(*calls, return_exceptions=True)
+    async with anyio.create_task_group() as tg:
+        for i, t in enumerate(seqs[:3]):
+            tg.start_soon(call, i, ctx.retrieve(t))
+        for i, (kv, t) in enumerate(zip(kvs[3:], seqs[3:], strict=True), start=3):
+            tg.start_soon(call, i, ctx.store(kv, t))
+        try:
+            # Close the moment all six have started: none can have finished, since each
+            # needs server round trips. (Polling for requests in flight raced with fast
+            # replies, and a failed poll left the registration on the shared server for
+            # every later test.)
+            for _ in range(100):
+                if started == 6:
+                    break
+                await anyio.sleep(0)
+            assert started == 6, started
+            assert not any(done), "a call finished before aclose() began"
+        finally:
+            await ctx.aclose()
+        assert ctx.closed
+    assert all(done)
     for out, kv in zip(results[:3], kvs[:3], strict=True):
         assert isinstance(out, torch.Tensor) and same_bits(out, kv), out
     assert all(isinstance(r, lmkv.StoreResult) and r.written_chunks == 2

@@ -1,30 +1,37 @@
 """Fan-out against real servers: ``lookup_many`` / ``retrieve_many`` / ``store_many``,
-``asyncio.gather`` of many single calls, and a multi-socket context.
+many single calls at once, and a multi-socket context.
 
 Every ``*_many`` call returns one :class:`ItemResult` per input, in input order; a
 bad item fails alone with a typed error; ``max_in_flight`` bounds the calls
 running at once (checked by instrumenting the single-item method, so a helper
 that ignored the bound would fail). Runs on all four ``server`` configurations
-and checks ``/status`` for leaks after each test.
+and checks ``/status`` for leaks after each test. Every async test runs on asyncio
+and under trio (through the client loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from servers import VERSIONS, checked_context
-from test_context import random_kv, same_bits, tokens_for
+from test_context import gather, random_kv, same_bits, tokens_for
 
 import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
 
 # Small geometry: one chunk object is 32 KiB, so pickle servers stay quick too.
 LAYOUT = lmkv.KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16,
@@ -63,7 +70,11 @@ def untouched(t: torch.Tensor) -> bool:
 
 
 class Gauge:
-    """Counts concurrent calls of a wrapped coroutine method (instance attribute)."""
+    """Counts concurrent calls of a wrapped coroutine method (instance attribute).
+
+    The ``*_many`` helpers call the wrapper where they run: on the test's loop under
+    asyncio, on the client loop (asyncio) under trio; anyio sleeps on either.
+    """
 
     def __init__(self, ctx: lmkv.AsyncKVContext, name: str, hold: float = 0.005) -> None:
         self.now = 0
@@ -76,7 +87,7 @@ class Gauge:
             self.now += 1
             self.peak = max(self.peak, self.now)
             try:
-                await asyncio.sleep(hold)  # guarantees overlap if the bound is ignored
+                await anyio.sleep(hold)  # guarantees overlap if the bound is ignored
                 return await real(*args, **kwargs)
             finally:
                 self.now -= 1
@@ -293,7 +304,7 @@ async def test_gather_of_50_mixed_calls(ctx: lmkv.AsyncKVContext) -> None:
             coros.append(ctx.retrieve(old[10 + j][0], out=bufs[j]))
         else:
             coros.append(ctx.retrieve(tokens_for(2 * C)))
-    results = await asyncio.gather(*coros)
+    results = await gather(*coros)
     for (kind, j), res in zip(calls, results, strict=True):
         if kind == "store":
             t = new[j][0]
@@ -329,7 +340,7 @@ async def test_concurrent_retrieves_of_one_prefix(
         await ctx.store(kv, toks)
         # the same prefix, and requests that extend it with different suffixes
         inputs = [toks] * 4 + [[*toks, *tokens_for(C + i)] for i in range(4)]
-        outs = await asyncio.gather(*(ctx.retrieve(t) for t in inputs))
+        outs = await gather(*(ctx.retrieve(t) for t in inputs))
         for out in outs:
             assert out is not None and same_bits(out, kv)
         many = await ctx.retrieve_many(inputs, max_in_flight=8)
@@ -361,32 +372,34 @@ async def test_four_sockets_two_gpu_workers(version: str,
             conn.request = counted  # type: ignore[method-assign]
 
         async def sample_busy_sockets() -> None:
+            # Under trio the sockets are the client loop's: this reads their counters
+            # from the trio thread while that loop runs.
             nonlocal busy_peak
             while True:
                 busy_peak = max(busy_peak, sum(1 for c in conns if c.in_flight > 0))
-                await asyncio.sleep(0.0005)
-
-        sampler = asyncio.create_task(sample_busy_sockets())
+                await anyio.sleep(0.0005)
 
         C = ctx.chunk_size
-        first = [make_seq(ctx, 1 + i % 3) for i in range(16)]
-        stored = await asyncio.gather(*(ctx.store(kv, t) for t, kv in first))
-        assert [s.written_chunks for s in stored] == [len(t) // C for t, _ in first]
-        # stores of new sequences concurrent with retrieves (distinct prefixes) of the others
-        second = [make_seq(ctx, 2) for _ in range(8)]
-        bufs = [out_buffer(3 * C) for _ in first[8:]]
-        mixed = await asyncio.gather(
-            *(ctx.store(kv, t) for t, kv in second),
-            *(ctx.retrieve(t) for t, _ in first[:8]),
-            *(ctx.retrieve(t, out=b) for (t, _), b in zip(first[8:], bufs, strict=True)),
-        )
-        assert all(s.written_chunks == 2 for s in mixed[:8])
-        for (_, kv), out in zip(first[:8], mixed[8:16], strict=True):
-            assert out is not None and same_bits(out, kv)
-        for (_, kv), out, b in zip(first[8:], mixed[16:], bufs, strict=True):
-            n = kv.shape[2]
-            assert out is not None and same_bits(out, kv) and untouched(b[:, :, n:])
-        sampler.cancel()
+        async with anyio.create_task_group() as sampler:
+            sampler.start_soon(sample_busy_sockets)
+            first = [make_seq(ctx, 1 + i % 3) for i in range(16)]
+            stored = await gather(*(ctx.store(kv, t) for t, kv in first))
+            assert [s.written_chunks for s in stored] == [len(t) // C for t, _ in first]
+            # stores of new sequences concurrent with retrieves (distinct prefixes) of the others
+            second = [make_seq(ctx, 2) for _ in range(8)]
+            bufs = [out_buffer(3 * C) for _ in first[8:]]
+            mixed = await gather(
+                *(ctx.store(kv, t) for t, kv in second),
+                *(ctx.retrieve(t) for t, _ in first[:8]),
+                *(ctx.retrieve(t, out=b) for (t, _), b in zip(first[8:], bufs, strict=True)),
+            )
+            assert all(s.written_chunks == 2 for s in mixed[:8])
+            for (_, kv), out in zip(first[:8], mixed[8:16], strict=True):
+                assert out is not None and same_bits(out, kv)
+            for (_, kv), out, b in zip(first[8:], mixed[16:], bufs, strict=True):
+                n = kv.shape[2]
+                assert out is not None and same_bits(out, kv) and untouched(b[:, :, n:])
+            sampler.cancel_scope.cancel()
         for t, kv in second:
             out = await ctx.retrieve(t)
             assert out is not None and same_bits(out, kv)

@@ -4,6 +4,9 @@ A trio of private servers (two 0.5.7rc2, one 0.5.6; small L1 so evictions happen
 is shared by the module for fan-out and health tests; tests of the index start
 servers of their own (``fresh``), because what a server held before the fleet
 attached decides whether the index may answer for it.
+
+Every async test runs on asyncio and under trio (through the client loop), except the
+one about ``asyncio.timeout`` and ``wait_for`` (asyncio's own cancellation).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import random
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from storer import LmcacheStorer, astore
 from timing import SETTLE, SLACK, eventually
 
 import lmkv_async as lmkv
+from lmkv_async import _loop_thread
 from lmkv_async.errors import (
     ClosedError,
     InvalidInputError,
@@ -47,6 +51,12 @@ SMALL_L1 = 0.03
 #: evicts from 80 % of it: the seeded test's working set does not fit.
 TINY_L1 = 0.01
 SDK_INTEROP = Path(__file__).resolve().parent / "server_scripts" / "sdk_interop.py"
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +84,14 @@ def fresh(server_pool: ServerPool) -> Iterator[dict[str, LocalServer]]:
     finally:
         for srv in servers.values():
             server_pool.stop_private(srv)
+
+
+def on_fleet_loop(anyio_backend: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a fleet internal where the fleet lives: this loop on asyncio, the client
+    loop thread under trio (the fleet's tasks and state are that loop's)."""
+    if anyio_backend == "asyncio":
+        return fn(*args)
+    return _loop_thread.portal().call(fn, *args)
 
 
 def urls(servers: dict[str, LocalServer]) -> dict[str, tuple[str, str]]:
@@ -125,9 +143,12 @@ async def sdk_store(srv: LocalServer, model: str, seq: list[int], tmp: Path) -> 
     job = {"url": srv.url, "http_url": srv.http_url, "model": model, "timeout": 60,
            "ops": [{"op": "store", "tokens": str(tmp / f"t-{tag}.pt"),
                     "kv": str(tmp / f"kv-{tag}.pt")}]}
-    proc = await asyncio.to_thread(
-        subprocess.run, [srv.config.python, str(SDK_INTEROP), json.dumps(job)],
-        capture_output=True, timeout=300, env=server_env())
+
+    def run_job() -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([srv.config.python, str(SDK_INTEROP), json.dumps(job)],
+                              capture_output=True, timeout=300, env=server_env())
+
+    proc = await anyio.to_thread.run_sync(run_job)
     lines = proc.stdout.decode().splitlines()
     assert lines, proc.stderr.decode()[-3000:]
     result = json.loads(lines[-1])
@@ -145,11 +166,11 @@ async def settle(servers: dict[str, LocalServer]) -> None:
             out.append((kv["next_seq"], kv["unbound_stores"],
                         st["storage_manager"]["l1_manager"]["total_object_count"]))
         return out
-    last = await asyncio.to_thread(snap)
+    last = await anyio.to_thread.run_sync(snap)
     deadline = time.monotonic() + SETTLE
     while True:
-        await asyncio.sleep(0.3)
-        now = await asyncio.to_thread(snap)
+        await anyio.sleep(0.3)
+        now = await anyio.to_thread.run_sync(snap)
         if now == last or time.monotonic() > deadline:
             return
         last = now
@@ -161,7 +182,7 @@ async def no_leaks(servers: dict[str, LocalServer], allowed: dict[str, list[int]
     while True:
         problems = {}
         for name, srv in servers.items():
-            status = await asyncio.to_thread(srv.status)
+            status = await anyio.to_thread.run_sync(srv.status)
             p = leak_report(status, (allowed or {}).get(name, ()))
             if status.get("kv_events", {}).get("subscribers", 0):
                 p.append(f"kv_events.subscribers={status['kv_events']['subscribers']}")
@@ -171,7 +192,7 @@ async def no_leaks(servers: dict[str, LocalServer], allowed: dict[str, list[int]
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"leaks: {problems}")
-        await asyncio.sleep(0.1)
+        await anyio.sleep(0.1)
 
 
 # ------------------------------------------------------------------ what a lookup needs
@@ -253,7 +274,7 @@ async def test_history_before_the_fleet_opened_is_never_answered_from_the_index(
         assert dict(await fleet.lookup(A)) == truth_a
         assert await fleet.best(A) == ("s1", 3 * C)
         await following(fleet, list(fresh))  # the index would answer now if it could
-        await asyncio.sleep(5 * fleet.audit_interval)
+        await anyio.sleep(5 * fleet.audit_interval)
         for _ in range(3):
             res = await fleet.lookup(B)
             assert dict(res) == truth_b
@@ -350,13 +371,13 @@ async def test_index_answers_equal_real_lookups_seeded(fresh: dict[str, LocalSer
         # Real evictions, from /status: more objects went in than are there now.
         evicted = {}
         for name, srv in fresh.items():
-            st = await asyncio.to_thread(srv.status)
+            st = await anyio.to_thread.run_sync(srv.status)
             went_in = st["kv_events"]["unbound_stores"] + len(lm_chunks[name])
             evicted[name] = went_in - st["storage_manager"]["l1_manager"]["total_object_count"]
         assert sum(evicted.values()) > 0 and evicted["s1"] > 0, evicted
     finally:
         for s in storers.values():
-            await asyncio.to_thread(s.close)
+            await anyio.to_thread.run_sync(s.close)
 
 
 async def _agree(fleet: Fleet, probes: list[list[int]], what: str,
@@ -397,7 +418,7 @@ async def test_index_keeps_salts_apart_and_foreign_stores_force_lookups(
 
 @pytest.mark.anyio
 async def test_own_stores_come_back_after_a_resync_that_discards(
-        fresh: dict[str, LocalServer]) -> None:
+        fresh: dict[str, LocalServer], anyio_backend: str) -> None:
     """A resync that discards (a lost range, a new subscription) drops the fleet's own
     stores from the index; they emit no event, so the fleet re-verifies and re-enters
     them, and a member's ``kv_events()`` stream re-announces them (what the vLLM-event
@@ -411,13 +432,18 @@ async def test_own_stores_come_back_after_a_resync_that_discards(
         await synced(fleet, ["m"])
         await m.store(kv_for(3 * C), seq)
         assert fleet.index.size("m") == 3
-        # What the follower does on a "lost" batch (the log outran it):
-        m.sync.apply(KVResync("lost", m.sync.incarnation, 0, True, False))
+        # What the follower does on a "lost" batch (the log outran it), on its loop:
+        on_fleet_loop(anyio_backend, m.sync.apply,
+                      KVResync("lost", m.sync.incarnation, 0, True, False))
         await eventually(lambda: fleet.index.size("m") == 3, what="own stores re-indexed")
         async with m.kv_events() as stream:
-            first = await asyncio.wait_for(stream.next(), SLACK)
+            with anyio.fail_after(SLACK):
+                first = await stream.next()
             assert isinstance(first, KVResync) and first.discard
-            again = [await asyncio.wait_for(stream.next(), SLACK) for _ in range(3)]
+            again: list[object] = []
+            for _ in range(3):
+                with anyio.fail_after(SLACK):
+                    again.append(await stream.next())
         assert all(isinstance(e, KVStored) and e.seq == 0 for e in again)
         assert [len(e.token_ids) for e in again if isinstance(e, KVStored)] == [C] * 3
         assert isinstance(again[0], KVStored) and tuple(again[0].token_ids) == tuple(seq[:C])
@@ -447,7 +473,7 @@ async def test_mixed_fleet_with_a_server_without_events(fresh: dict[str, LocalSe
         assert dict(res) == {"a": 0, "c": 0, "old": 2 * C}
         assert res.sources == {"a": "index", "c": "index", "old": "lookup"}
         assert await fleet.best(seq) == ("old", 2 * C)
-        old_ids = [int(i) for i in (await asyncio.to_thread(old.status))
+        old_ids = [int(i) for i in (await anyio.to_thread.run_sync(old.status))
                    ["registered_non_cuda_instance_ids"]]
         assert old_ids  # the data-path context registered
     await no_leaks(servers)
@@ -476,13 +502,13 @@ async def test_sigkill_during_best_then_restart_rejoins_and_resyncs(
                 t0 = time.monotonic()
                 answers.append(await fleet.best(seq, timeout=deadline))
                 assert time.monotonic() - t0 < deadline + SLACK
-                await asyncio.sleep(0.02)
+                await anyio.sleep(0.02)
             # Before: s1 (3 chunks). After: never a dead server, s3 has the longest.
             assert answers[0] == ("s1", 3 * C)
             assert all(ans == ("s3", 2 * C) for ans in answers[6:]), answers
             assert fleet["s1"].state == "down" or not fleet["s1"].synced
             storer.close()
-            await asyncio.to_thread(a.restart)
+            await anyio.to_thread.run_sync(a.restart)
             await eventually(lambda: fleet["s1"].state == "up", what="s1 to rejoin")
             await synced(fleet, ["s1"])
             assert fleet.index.size("s1") == 0  # the restart discarded what s1 held
@@ -493,7 +519,7 @@ async def test_sigkill_during_best_then_restart_rejoins_and_resyncs(
             await eventually(lambda: fleet.index.size("s1") == 3, what="s1's new events")
             assert await fleet.best(seq) == ("s1", 3 * C)
     finally:
-        await asyncio.to_thread(storer.close)
+        await anyio.to_thread.run_sync(storer.close)
     await no_leaks(fresh)
 
 
@@ -508,11 +534,18 @@ async def test_aclose_leaves_nothing_on_any_server(trio: dict[str, LocalServer])
     for name in trio:
         await fleet[name].store(kv_for(2 * C), seq)
         assert await fleet[name].retrieve(seq) is not None
-    lookups = [fleet.lookup(seq, source="lookup") for _ in range(20)]
-    results: list[FleetLookup] = await asyncio.gather(*lookups)
+    results: list[FleetLookup] = []
+
+    async def one_lookup() -> None:
+        results.append(await fleet.lookup(seq, source="lookup"))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(one_lookup)
+    assert len(results) == 20
     assert all(r == {"a": 2 * C, "b": 2 * C, "c": 2 * C} for r in results)
     for srv in trio.values():
-        st = await asyncio.to_thread(srv.status)
+        st = await anyio.to_thread.run_sync(srv.status)
         assert st["kv_events"]["subscribers"] >= 1
         assert len(st["registered_non_cuda_instance_ids"]) >= 2  # light + data path
     await fleet.aclose()
@@ -553,6 +586,7 @@ async def test_caller_scope_ending_around_async_with_leaves_nothing(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # asyncio.timeout and wait_for
 async def test_asyncio_timeout_and_cut_short_aclose_leave_nothing(
         trio: dict[str, LocalServer]) -> None:
     model = fresh_model()
@@ -632,11 +666,20 @@ async def test_cancelled_lookup_leaves_nothing_behind(trio: dict[str, LocalServe
             await fleet[name].store(kv_for(2 * C), seq)
         trio["a"].freeze()
         try:
-            task = asyncio.create_task(fleet.lookup(seq, timeout=5.0))
-            await asyncio.sleep(0.3)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            outcome: list[str] = []
+
+            async def cut_lookup(scope: anyio.CancelScope) -> None:
+                with scope:
+                    await fleet.lookup(seq, timeout=5.0)
+                    outcome.append("returned")
+                outcome.append("cancelled" if scope.cancelled_caught else "not cancelled")
+
+            scope = anyio.CancelScope()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cut_lookup, scope)
+                await anyio.sleep(0.3)
+                scope.cancel()
+            assert outcome == ["cancelled"]  # the cancellation reached the caller
         finally:
             trio["a"].resume()
         await eventually(lambda: all(m.in_flight == 0 for m in fleet.members.values()),
@@ -648,8 +691,6 @@ async def test_cancelled_lookup_leaves_nothing_behind(trio: dict[str, LocalServe
         await no_leaks(trio, {n: ids[n] + light[n] for n in trio})
     await no_leaks(trio)
 
-
-@pytest.mark.anyio
 
 # ------------------------------------------------------------------ the index, no server
 def test_prefix_index_edges_salts_and_removal() -> None:

@@ -2,15 +2,16 @@
 
 The read lock is checked through ``/status`` (``read_locked_count``) while the
 context is still registered: held inside the block, gone after every exit.
+Every async test runs on asyncio and under trio (through the client loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import pytest
 import torch
 from servers import assert_quiescent, checked_context
@@ -21,6 +22,12 @@ import lmkv_async as lmkv
 from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
 
 
 @pytest.fixture
@@ -130,21 +137,28 @@ async def test_lock_released_when_the_block_raises(ctx: lmkv.AsyncKVContext) -> 
 async def test_lock_released_when_the_block_is_cancelled(ctx: lmkv.AsyncKVContext) -> None:
     _shm_only(ctx)
     toks, kv = await stored(ctx, 2, seed=5)
-    inside = asyncio.Event()
+    inside = anyio.Event()
     views: list[lmkv.RetrieveView] = []
+    ended: list[str] = []
 
     async def reader() -> None:
-        async with ctx.retrieve_view(toks) as view:
-            views.append(view)
-            inside.set()
-            await asyncio.sleep(3600)
+        try:
+            async with ctx.retrieve_view(toks) as view:
+                views.append(view)
+                inside.set()
+                await anyio.sleep(3600)
+        except anyio.get_cancelled_exc_class():
+            ended.append("cancelled")  # the cancellation left the block: not swallowed
+            raise
+        ended.append("returned")
 
-    task = asyncio.create_task(reader())
-    await asyncio.wait_for(inside.wait(), SETTLE)
-    assert await read_locks(ctx) == 2
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        with anyio.fail_after(SETTLE):
+            await inside.wait()
+        assert await read_locks(ctx) == 2
+        tg.cancel_scope.cancel()
+    assert ended == ["cancelled"]
     assert views[0].closed
     await assert_quiescent(ctx)
     out = await ctx.retrieve(toks)
@@ -157,16 +171,19 @@ async def test_cancelled_while_opening_leaves_nothing(ctx: lmkv.AsyncKVContext,
     """Cancellation at different points of the open (lookup, prepare, hand-over)."""
     _shm_only(ctx)
     toks, _ = await stored(ctx, 2, seed=6)
+    returned = False
 
     async def reader() -> None:
+        nonlocal returned
         async with ctx.retrieve_view(toks):
-            await asyncio.sleep(3600)
+            await anyio.sleep(3600)
+        returned = True
 
-    task = asyncio.create_task(reader())
-    await asyncio.sleep(delay)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    async with anyio.create_task_group() as tg:  # re-raises anything but the cancellation
+        tg.start_soon(reader)
+        await anyio.sleep(delay)
+        tg.cancel_scope.cancel()
+    assert not returned, "the cancellation was swallowed"
     await assert_quiescent(ctx)
 
 
@@ -193,18 +210,28 @@ async def test_views_of_several_prefixes_at_once(ctx: lmkv.AsyncKVContext) -> No
     _shm_only(ctx)
     (ta, ka), (tb, kb) = await stored(ctx, 1, seed=8), await stored(ctx, 2, seed=9)
     tc, kc = await stored(ctx, 1, seed=11)
-    async with ctx.retrieve_view(ta) as va, ctx.retrieve_view(tb) as vb:
-        assert await read_locks(ctx) == 3
-        assert same_bits(va.tensors[0], ka)
-        assert same_bits(torch.cat(vb.tensors, dim=2), kb)
-        # a plain retrieve of another prefix runs meanwhile
-        out = await ctx.retrieve(tc)
-        assert out is not None and same_bits(out, kc)
-        # one of the same prefix waits for the view (pending reads are keyed by prefix)
-        same = asyncio.create_task(ctx.retrieve(ta))
-        await asyncio.sleep(0.2)
-        assert not same.done()
-    got = await asyncio.wait_for(same, SETTLE)
+    same: list[torch.Tensor | None] = []
+    same_done = anyio.Event()
+
+    async def retrieve_same() -> None:
+        same.append(await ctx.retrieve(ta))
+        same_done.set()
+
+    async with anyio.create_task_group() as tg:
+        async with ctx.retrieve_view(ta) as va, ctx.retrieve_view(tb) as vb:
+            assert await read_locks(ctx) == 3
+            assert same_bits(va.tensors[0], ka)
+            assert same_bits(torch.cat(vb.tensors, dim=2), kb)
+            # a plain retrieve of another prefix runs meanwhile
+            out = await ctx.retrieve(tc)
+            assert out is not None and same_bits(out, kc)
+            # one of the same prefix waits for the view (pending reads are keyed by prefix)
+            tg.start_soon(retrieve_same)
+            await anyio.sleep(0.2)
+            assert not same_done.is_set()
+        with anyio.fail_after(SETTLE):
+            await same_done.wait()
+    got = same[0]
     assert got is not None and same_bits(got, ka)
     await assert_quiescent(ctx)
 
@@ -232,8 +259,9 @@ async def test_long_hold_warns_then_views_raise(
             assert view.safe_hold_s == pytest.approx(1.8)
             t = view.tensors[0]
             assert same_bits(t, kv)
-            await eventually(lambda: "past the safe hold" in caplog.text, timeout=SETTLE)
-            await eventually(lambda: view.held_s >= 2.0, timeout=SETTLE)
+            await eventually(lambda: "past the safe hold" in caplog.text, SETTLE,
+                             what="the safe-hold warning")
+            await eventually(lambda: view.held_s >= 2.0, SETTLE, what="held for the 2 s TTL")
             with pytest.raises(lmkv.ViewClosedError, match="TTL"):
                 t.sum()
         await assert_quiescent(ctx)
