@@ -22,19 +22,21 @@ missing one fails the tests that need it, unless
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
 from timing import SETTLE, SLACK
 
 import lmkv_async as lmkv
+from lmkv_async import _loop_thread
 from lmkv_async.testing import (
     LocalServer,
     ServerConfig,
@@ -335,3 +337,28 @@ async def assert_left_nothing(server: LocalServer, instance_ids: set[int], *,
                 f"left on the server after {LEFT_NOTHING_WITHIN:.1f}s: " + "; ".join(problems)
             )
         await anyio.sleep(0.1)
+
+
+T = TypeVar("T")
+
+
+def on_client_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` where the library's objects live, for a test that reads or drives
+    internals: here on asyncio; under trio on the client loop's thread, whose state
+    the transport, session and fleet are (read from the trio thread it would race)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        return _loop_thread.portal().call(fn, *args)
+    return fn(*args)
+
+
+async def awaited_on_client_loop(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """Await ``fn(*args)`` (a library internal that needs its asyncio loop) where the
+    library's objects live: on this loop on asyncio; under trio on the client loop,
+    from a worker thread (the portal's call blocks)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        return await anyio.to_thread.run_sync(_loop_thread.portal().call, fn, *args)
+    return await fn(*args)

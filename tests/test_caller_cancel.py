@@ -11,6 +11,12 @@ be left (registration, session, lock) within 6 s.
 Also here: one test per defect of the close and release paths that only the
 caller's cancellation exposed (threads joined, commit and prepare budgets, a
 reaped registration).
+
+Every async test runs on asyncio and under trio (through the client loop), except
+those about asyncio's own ways of cancelling (``asyncio.timeout``,
+``asyncio.wait_for``, a plain ``Task.cancel``; each says why). Under trio the
+context's internals live on the client loop's thread: the tests read them there
+(:func:`on_client_loop`).
 """
 
 from __future__ import annotations
@@ -21,12 +27,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
 import torch
-from servers import assert_left_nothing
+from servers import assert_left_nothing, on_client_loop
 from timing import SLACK
 
 import lmkv_async as lmkv
@@ -36,10 +42,26 @@ from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
 
+T = TypeVar("T")
+
 LAYOUT = lmkv.KVLayout(
     num_layers=4, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, block_size=16
 )
 _models = itertools.count()
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
+
+
+#: A cut by asyncio's ``Task.cancel`` (once, edge-triggered; asyncio only) or by a
+#: cancel scope (level-triggered: anyio's on asyncio, trio's under trio).
+CUTS = pytest.mark.parametrize(
+    ("anyio_backend", "cut"),
+    [("asyncio", "task_cancel"), ("asyncio", "cancel_scope"), ("trio", "cancel_scope")],
+)
 
 
 def model_name() -> str:
@@ -109,6 +131,7 @@ async def test_task_group_cancelled_mid_transfer(
     await assert_left_nothing(shm_server, seen_ids)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # asyncio.timeout is asyncio's
 @pytest.mark.parametrize("after", [0.5, 1.5])
 async def test_asyncio_timeout_around_connect(
     shm_server: LocalServer, after: float, seen_ids: set[int]
@@ -120,6 +143,7 @@ async def test_asyncio_timeout_around_connect(
     await assert_left_nothing(shm_server, seen_ids)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # asyncio.wait_for cuts the aclose
 async def test_wait_for_aclose_then_aclose_again(shm_server: LocalServer) -> None:
     ctx = await lmkv.connect(shm_server.url, shm_server.http_url, model_name(), layout=LAYOUT)
     C = ctx.chunk_size
@@ -161,6 +185,7 @@ async def test_connect_cancelled_at_many_points_leaves_nothing(
 # ---------------------------------------------------------------------- item 2: threads
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # Task.cancel of the internal offload
 async def test_offload_waits_for_its_thread_under_task_cancel() -> None:
     """A plain Task.cancel() must not return while the copy thread still runs."""
     started, finished = threading.Event(), threading.Event()
@@ -179,8 +204,9 @@ async def test_offload_waits_for_its_thread_under_task_cancel() -> None:
     assert finished.is_set(), "the cancellation surfaced while the thread was still copying"
 
 
+@CUTS
 async def test_cancelled_copy_to_releases_the_lock_only_after_the_copy(
-    shm_server: LocalServer, monkeypatch: pytest.MonkeyPatch
+    shm_server: LocalServer, monkeypatch: pytest.MonkeyPatch, cut: str
 ) -> None:
     from lmkv_async import kernel, view
 
@@ -207,12 +233,36 @@ async def test_cancelled_copy_to_releases_the_lock_only_after_the_copy(
         )
         cancelled_at = 0.0
         async with ctx.retrieve_view(toks) as v:
-            task = asyncio.ensure_future(v.copy_to(out))
-            while not copying.is_set():
-                await asyncio.sleep(0.001)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            if cut == "task_cancel":
+                task = asyncio.ensure_future(v.copy_to(out))
+                while not copying.is_set():
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            else:
+                ended: list[str] = []
+
+                async def copy() -> None:
+                    try:
+                        await v.copy_to(out)
+                        # Level-triggered: a copy_to that finished its copy may return
+                        # (anyio's scope on asyncio: its thread wait is shielded); the
+                        # next checkpoint raises the cut then.
+                        ended.append("returned")
+                        await anyio.lowlevel.checkpoint()
+                    except anyio.get_cancelled_exc_class():
+                        ended.append("cancelled")
+                        raise
+                    ended.append("not cut")
+
+                async with anyio.create_task_group() as tg:  # re-raises all but the cut
+                    tg.start_soon(copy)
+                    while not copying.is_set():
+                        await anyio.sleep(0.001)
+                    tg.cancel_scope.cancel()
+                # the cut reached the caller: never swallowed
+                assert ended in (["cancelled"], ["returned", "cancelled"]), ended
             cancelled_at = time.monotonic()
         assert done_at and done_at[0] <= cancelled_at, "lock released under a running copy"
         assert torch.equal(out.view(torch.int16), kv[:, :, : 2 * C].view(torch.int16))
@@ -233,6 +283,7 @@ async def test_commit_goes_out_when_the_copy_ends_past_the_deadline(
         real = _ops._copy
 
         async def late_copy(*args: Any, **kwargs: Any) -> None:
+            # runs inside the library: on an asyncio loop on either backend
             await real(*args, **kwargs)
             await asyncio.sleep(0.6)  # the copy ends after the caller's deadline
 
@@ -244,7 +295,7 @@ async def test_commit_goes_out_when_the_copy_ends_past_the_deadline(
         deadline = time.monotonic() + SLACK * 4
         while await ctx.lookup(toks) != 3 * C:
             assert time.monotonic() < deadline, "the chunks were never committed"
-            await asyncio.sleep(0.05)
+            await anyio.sleep(0.05)
         out = await ctx.retrieve(toks)
         assert out is not None and torch.equal(out.view(torch.int16), kv.view(torch.int16))
         status = await ctx.status()
@@ -267,6 +318,7 @@ async def test_prepare_never_sent_frees_the_lookup_locks(
         real_acquire = gates.acquire
 
         async def slow_gate(key: bytes, deadline: float, server: str) -> None:
+            # runs inside the library: on an asyncio loop on either backend
             await real_acquire(key, deadline, server)
             await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
 
@@ -277,10 +329,10 @@ async def test_prepare_never_sent_frees_the_lookup_locks(
         deadline = time.monotonic() + SLACK * 4
         while True:
             l1 = (await ctx.status())["storage_manager"]["l1_manager"]
-            if l1["read_locked_count"] == 0 and not ctx._s._tasks:
+            if l1["read_locked_count"] == 0 and not on_client_loop(lambda: len(ctx._s._tasks)):
                 break
             assert time.monotonic() < deadline, f"read locks left: {l1['read_locked_count']}"
-            await asyncio.sleep(0.05)
+            await anyio.sleep(0.05)
         out = await ctx.retrieve(toks)  # and the context still works
         assert out is not None and out.shape[2] == 2 * C
 
@@ -300,16 +352,23 @@ async def test_reaped_registration_is_re_established(
         C = ctx.chunk_size
         # wait for a first heartbeat (reap_timeout/4 = 7.5 s): reaping needs a ping first
         deadline = time.monotonic() + REAP / 4 + 3 * SLACK
-        while not ctx._s._pinged:
+        while not on_client_loop(lambda: ctx._s._pinged):
             assert time.monotonic() < deadline, "no heartbeat was answered"
-            await asyncio.sleep(0.1)
-        # the client stalls (a blocked loop) until the server's reaper has dropped it
-        stall_until = time.monotonic() + REAP * 1.5 + SLACK
-        while time.monotonic() < stall_until:
-            time.sleep(0.5)
-            if ctx.instance_id not in srv.status()["registered_non_cuda_instance_ids"]:
-                break
-        assert ctx.instance_id not in srv.status()["registered_non_cuda_instance_ids"], (
+            await anyio.sleep(0.1)
+
+        def stall() -> bool:
+            """Whether the server dropped the registration, judged while still stalled:
+            once the loop runs again, a heartbeat may register the context again."""
+            stall_until = time.monotonic() + REAP * 1.5 + SLACK
+            while time.monotonic() < stall_until:
+                time.sleep(0.5)
+                if ctx.instance_id not in srv.status()["registered_non_cuda_instance_ids"]:
+                    break
+            return ctx.instance_id not in srv.status()["registered_non_cuda_instance_ids"]
+
+        # the client stalls (a blocked loop: the context's, the client loop under trio)
+        # until the server's reaper has dropped it
+        assert on_client_loop(stall), (
             "the server did not reap the stalled client: the test proves nothing"
         )
         caplog.set_level(logging.INFO, logger="lmkv_async")

@@ -3,22 +3,24 @@
 Live tests run lmcache 0.5.6 and 0.5.7rc2 servers; lmcache-driven stores (the only
 ones that log ``stored`` events) are made by ``server_scripts/lmcache_store.py``
 inside the server's environment.
+
+Every live test runs on asyncio and under trio (through the client loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import subprocess
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 import msgpack
 import pytest
 import torch
-from servers import server_python
+from servers import awaited_on_client_loop, server_python
 from storer import LmcacheStorer, astore
 
 import lmkv_async as lmkv
@@ -36,6 +38,8 @@ from lmkv_async.wire.events import (
     is_stream_end,
 )
 from lmkv_async.wire.frames import pack
+
+T = TypeVar("T")
 
 LAYOUT = lmkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
                        block_size=16)
@@ -128,14 +132,20 @@ def test_chunk_hashes_match_the_server_package() -> None:
 
 
 # ------------------------------------------------------------------ live helpers
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
+
+
 async def next_of(it: Any, kind: type | tuple[type, ...], timeout: float = 10.0) -> Any:
     """The next item of ``kind`` (skipping others), within ``timeout``."""
-    deadline = time.monotonic() + timeout
     step = it.next if isinstance(it, KVEventStream) else it.__anext__
-    while True:
-        ev = await asyncio.wait_for(step(), max(0.01, deadline - time.monotonic()))
-        if isinstance(ev, kind):
-            return ev
+    with anyio.fail_after(timeout):
+        while True:
+            ev = await step()
+            if isinstance(ev, kind):
+                return ev
 
 
 def subscribers(server: LocalServer) -> int:
@@ -146,10 +156,10 @@ async def wait_subscribers(server: LocalServer, n: int, timeout: float = 5.0) ->
     """Poll /status without blocking the loop (closing tasks must get to run)."""
     deadline = time.monotonic() + timeout
     while True:
-        got = await asyncio.to_thread(subscribers, server)
+        got = await anyio.to_thread.run_sync(subscribers, server)
         if got == n or time.monotonic() > deadline:
             return got
-        await asyncio.sleep(0.05)
+        await anyio.sleep(0.05)
 
 
 @pytest.fixture(params=["0.5.6", "0.5.7rc2"])
@@ -208,8 +218,12 @@ async def test_stream_types_stores_and_removals(ev_server: LocalServer,
         assert res.written_chunks == 2
         assert ev_server.status()["kv_events"]["unbound_stores"] == before + 2
         # A removal names every hash it dropped, ours included.
-        await ctx._s.rpc(ctx._s.transport.pick(), lmkv.wire.requests.clear(ctx._s.d, force=True),
-                         time.monotonic() + 5)
+        async def clear() -> None:  # no public API for it: the session's own request
+            await ctx._s.rpc(ctx._s.transport.pick(),
+                             lmkv.wire.requests.clear(ctx._s.d, force=True),
+                             time.monotonic() + 5)
+
+        await awaited_on_client_loop(clear)
         removed = await next_of(it, (KVRemoved, KVStored))
         assert isinstance(removed, KVRemoved), "an engine-driven store produced a stored record"
         assert set(removed.block_hashes) == set(want) | set(hashing.chunk_hashes(toks2, C))
@@ -230,24 +244,31 @@ async def test_stream_ends_on_break_and_on_cancellation(ev_server: LocalServer) 
         gc.collect()  # the async generator's finaliser schedules its aclose
         assert await wait_subscribers(ev_server, 0) == 0
 
-        started = asyncio.Event()
+        started = anyio.Event()
+        ended: list[str] = []
 
         async def consume() -> None:
-            async with ctx.kv_events() as stream:
-                await stream.next()
-                started.set()
-                await stream.next()  # nothing comes: blocks until cancelled
+            try:
+                async with ctx.kv_events() as stream:
+                    await stream.next()
+                    started.set()
+                    await stream.next()  # nothing comes: blocks until cancelled
+            except anyio.get_cancelled_exc_class():
+                ended.append("cancelled")  # the cancellation left the block: not swallowed
+                raise
+            ended.append("returned")
 
-        task = asyncio.create_task(consume())
-        await asyncio.wait_for(started.wait(), 10)
-        assert await wait_subscribers(ev_server, 1) == 1
-        # The data path is not held up by an idle stream.
-        t0 = time.monotonic()
-        assert await ctx.lookup(tokens(3, C)) == 0
-        assert time.monotonic() - t0 < 1.0
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        async with anyio.create_task_group() as tg:  # re-raises anything but the cancellation
+            tg.start_soon(consume)
+            with anyio.fail_after(10):
+                await started.wait()
+            assert await wait_subscribers(ev_server, 1) == 1
+            # The data path is not held up by an idle stream.
+            t0 = time.monotonic()
+            assert await ctx.lookup(tokens(3, C)) == 0
+            assert time.monotonic() - t0 < 1.0
+            tg.cancel_scope.cancel()
+        assert ended == ["cancelled"]
         assert await wait_subscribers(ev_server, 0) == 0
 
 
@@ -266,7 +287,7 @@ async def test_backpressure_and_cursor_resume(ev_server: LocalServer,
         two = await next_of(stream, KVStored)
         read = stream.batches
         assert read <= 3  # max_events=1: one record a batch (+ an empty first one)
-        await asyncio.sleep(0.5)
+        await anyio.sleep(0.5)
         # One batch per ack, and nothing is read while the consumer does not ask: the
         # server is never more than the one acked batch ahead of the consumer.
         assert stream.batches == read
@@ -304,16 +325,19 @@ async def test_restart_yields_disconnect_then_restart_resync(server_factory: Any
     await astore(storer, tokens(5, C))
     assert isinstance(await stream.next(), KVStored)
     storer.close()
-    await asyncio.to_thread(srv.restart)
-    ev = await asyncio.wait_for(stream.next(), 30)
+    await anyio.to_thread.run_sync(srv.restart)
+    with anyio.fail_after(30):
+        ev = await stream.next()
     assert isinstance(ev, KVResync) and ev.reason == "disconnected" and not ev.complete
-    ev = await asyncio.wait_for(stream.next(), 30)
+    with anyio.fail_after(30):
+        ev = await stream.next()
     assert isinstance(ev, KVResync) and ev.reason == "restart"
     assert ev.discard and ev.complete and ev.incarnation != inc
     storer2 = storer_factory(srv, model)
     toks = tokens(6, C)
     await astore(storer2, toks)
-    rec = await asyncio.wait_for(stream.next(), 10)
+    with anyio.fail_after(10):
+        rec = await stream.next()
     assert isinstance(rec, KVStored) and rec.block_hashes == (hashing.chunk_hashes(toks, C)[0],)
     await stream.aclose()
 

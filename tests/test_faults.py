@@ -1,4 +1,11 @@
-"""Faults against real server processes: kill, restart, freeze, reaping, cancellation."""
+"""Faults against real server processes: kill, restart, freeze, reaping, cancellation.
+
+Every async test runs on asyncio and under trio (through the client loop); the
+random-cancellation test cuts with cancel scopes on both, and with a plain
+``Task.cancel`` on asyncio as well.
+Under trio the context's internals live on the client loop's thread: the tests
+read them there (:func:`on_client_loop`), never racily from the trio thread.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,12 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 import pytest
 import torch
-from servers import VERSIONS, assert_quiescent, checked_context
+from servers import VERSIONS, assert_quiescent, checked_context, on_client_loop
 from test_context import LAYOUT, random_kv, same_bits, tokens_for
 from timing import EARLY, SETTLE, SLACK, eventually, fast, timed, within
 
@@ -20,16 +28,29 @@ from lmkv_async.testing import LocalServer
 
 pytestmark = pytest.mark.anyio
 
+T = TypeVar("T")
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    return str(request.param)
+
+
+
+
 
 def pending_requests(ctx: lmkv.AsyncKVContext) -> int:
     """Requests still awaiting a reply (timed-out prepare_stores kept for late replies excluded)."""
-    return sum(c.in_flight - c.late_pending for c in ctx._transport.connections)
+    return on_client_loop(
+        lambda: sum(c.in_flight - c.late_pending for c in ctx._transport.connections))
 
 
 def pending_ops(ctx: lmkv.AsyncKVContext) -> list[str]:
     """Ops of the requests awaiting a reply (late-reply entries excluded)."""
-    return [p.op for c in ctx._transport.connections for p in c._pending.values()
-            if p.late is None]
+    return on_client_loop(
+        lambda: [p.op for c in ctx._transport.connections for p in c._pending.values()
+                 if p.late is None])
 
 
 async def reconnected(ctx: lmkv.AsyncKVContext) -> None:
@@ -38,8 +59,9 @@ async def reconnected(ctx: lmkv.AsyncKVContext) -> None:
     A call made before that fails with ServerUnavailableError once the reconnect grace,
     counted from the disconnect, is over; that is the documented behaviour.
     """
-    await eventually(lambda: all(c.connected for c in ctx._transport.connections),
-                     what="the context's sockets reconnect")
+    await eventually(lambda: on_client_loop(
+        lambda: all(c.connected for c in ctx._transport.connections)),
+        what="the context's sockets reconnect")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -57,21 +79,36 @@ async def test_kill_fails_pending_calls_fast_then_restart_recovers(
         await assert_quiescent(ctx)  # the stores' end_session steps are done, too
         # Freeze so the calls are surely in flight, then SIGKILL the frozen process.
         server.freeze()
-        calls = [asyncio.create_task(ctx.retrieve(t)) for t in stored]
-        calls += [asyncio.create_task(ctx.store(random_kv(LAYOUT, 2 * C, seed=50 + i),
-                                                tokens_for(2 * C))) for i in range(2)]
-        calls.append(asyncio.create_task(ctx.lookup(stored[0])))
-        # each call's first request is on the wire (and unanswered) before the kill; the
-        # query follows a lookup unanswered where the server's normal pool is one thread
-        queries = ["query_prefetch_status"] * 4 if ctx._s.pipelines_lookup_query else []
-        expected = sorted(["lookup"] * 4 + ["prepare_store"] * 2 + queries)
-        await eventually(lambda: sorted(op for op in pending_ops(ctx) if op != "ping") == expected,
-                         what=lambda: f"{expected} pending, not {pending_ops(ctx)}")
-        assert not any(c.done() for c in calls)
-        t0 = time.monotonic()
-        server.kill()
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        calls: list[Callable[[], Any]] = [lambda t=t: ctx.retrieve(t) for t in stored]
+        calls += [lambda i=i: ctx.store(random_kv(LAYOUT, 2 * C, seed=50 + i),
+                                        tokens_for(2 * C)) for i in range(2)]
+        calls.append(lambda: ctx.lookup(stored[0]))
+        results: list[Any] = [None] * len(calls)
+        done = [False] * len(calls)
+
+        async def call(i: int) -> None:
+            try:
+                results[i] = await calls[i]()
+            except Exception as exc:  # as gather(return_exceptions=True): judged below
+                results[i] = exc
+            done[i] = True
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(calls)):
+                tg.start_soon(call, i)
+            # each call's first request is on the wire (and unanswered) before the kill;
+            # the query follows a lookup unanswered where the server's normal pool is one
+            # thread
+            queries = ["query_prefetch_status"] * 4 if ctx._s.pipelines_lookup_query else []
+            expected = sorted(["lookup"] * 4 + ["prepare_store"] * 2 + queries)
+            await eventually(
+                lambda: sorted(op for op in pending_ops(ctx) if op != "ping") == expected,
+                what=lambda: f"{expected} pending, not {pending_ops(ctx)}")
+            assert not any(done)
+            t0 = time.monotonic()
+            server.kill()
         elapsed = time.monotonic() - t0
+        assert all(done)
         assert all(isinstance(r, lmkv.ServerUnavailableError) for r in results), results
         fast(elapsed, limit=2 * SLACK, what="pending calls failing after a kill (deadline 30s)")
         assert pending_requests(ctx) == 0
@@ -104,12 +141,24 @@ async def test_kill_during_transfers(version: str,
         toks = tokens_for(8 * C)
         kv = random_kv(layout, 8 * C, seed=7)
         await ctx.store(kv, toks)
-        stop = asyncio.Event()
+        stop = anyio.Event()
         errors: list[BaseException] = []
         slowest = 0.0
         finished = 0
 
+        ended = 0
+        all_ended = anyio.Event()
+
         async def worker(i: int) -> None:
+            nonlocal ended
+            try:
+                await work(i)
+            finally:
+                ended += 1
+                if ended == 4:
+                    all_ended.set()
+
+        async def work(i: int) -> None:
             nonlocal slowest, finished
             while not stop.is_set():
                 t0 = time.monotonic()
@@ -126,13 +175,16 @@ async def test_kill_during_transfers(version: str,
                     finished += 1
                 slowest = max(slowest, time.monotonic() - t0)
 
-        workers = [asyncio.create_task(worker(i)) for i in range(4)]
-        # the stream is running (some calls done), then the kill lands at a random moment
-        await eventually(lambda: finished >= 4, what="4 transfers done before the kill")
-        await asyncio.sleep(random.Random(version).uniform(0.0, 0.3))
-        killed_at = time.monotonic()
-        server.kill()
-        await asyncio.wait_for(asyncio.gather(*workers), timeout=10 * SLACK)
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(worker, i)
+            # the stream is running (some calls done), then the kill lands at a random moment
+            await eventually(lambda: finished >= 4, what="4 transfers done before the kill")
+            await anyio.sleep(random.Random(version).uniform(0.0, 0.3))
+            killed_at = time.monotonic()
+            server.kill()
+            with anyio.fail_after(10 * SLACK):
+                await all_ended.wait()
         fast(time.monotonic() - killed_at, limit=2 * SLACK, what="workers ending after a kill")
         assert errors and all(isinstance(e, lmkv.ServerUnavailableError) for e in errors), errors
         server.restart()
@@ -203,9 +255,10 @@ async def test_heartbeat_outlives_reap_timeout_silent_control_is_reaped(
                                  heartbeat_interval=0)
     try:
         # the interval comes from the server's /config: a quarter of the reap timeout
-        assert real._s.reap_timeout == REAP
-        assert real._s.heartbeat_interval == heartbeat_interval_for(REAP) == REAP / 4
-        assert control._s._heartbeat is None
+        assert on_client_loop(lambda: real._s.reap_timeout) == REAP
+        assert (on_client_loop(lambda: real._s.heartbeat_interval)
+                == heartbeat_interval_for(REAP) == REAP / 4)
+        assert on_client_loop(lambda: control._s._heartbeat) is None
         for ctx in (real, control):
             toks = tokens_for(ctx.chunk_size)
             await ctx.store(random_kv(LAYOUT, len(toks), seed=80), toks)
@@ -217,7 +270,7 @@ async def test_heartbeat_outlives_reap_timeout_silent_control_is_reaped(
         assert {real.instance_id, control.instance_id} <= set(registered())
         # The reaper scans every REAP / 4, so the control goes between REAP and
         # 1.25 * REAP after its last signal; poll (without blocking the loop) until then.
-        await eventually(lambda: asyncio.to_thread(
+        await eventually(lambda: anyio.to_thread.run_sync(
             lambda: control.instance_id not in registered()),
             timeout=1.25 * REAP + SETTLE, interval=0.5, what="the control context is reaped")
         assert time.monotonic() - last_signal >= REAP - EARLY, "reaped before the grace"
@@ -245,7 +298,20 @@ def test_heartbeat_interval_derivation() -> None:
     assert heartbeat_interval_for(0.0) == 10.0     # reaping off: still a slow ping
 
 
-async def test_random_cancellation_leaves_nothing_behind(server: LocalServer) -> None:
+#: Each way of cutting an operation at a random point, on the backends that have it:
+#: asyncio's ``Task.cancel`` (once, edge-triggered), and a cancel scope's deadline
+#: (``anyio.move_on_after``: level-triggered; a trio cancel scope under trio).
+RANDOM_CUTS = pytest.mark.parametrize(
+    ("anyio_backend", "cut"),
+    [("asyncio", "task_cancel"), ("asyncio", "cancel_scope"), ("trio", "cancel_scope")],
+)
+
+#: Marks an operation cut short in :func:`test_random_cancellation_leaves_nothing_behind`.
+CANCELLED = object()
+
+
+@RANDOM_CUTS
+async def test_random_cancellation_leaves_nothing_behind(server: LocalServer, cut: str) -> None:
     """Cancel many mixed operations at random points (seeded); then check the server."""
     rng = random.Random(20261202)
     layout = lmkv.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64)
@@ -258,9 +324,7 @@ async def test_random_cancellation_leaves_nothing_behind(server: LocalServer) ->
             await ctx.store(data[i], prefixes[i])
         completed_stores: set[int] = set(range(0, 16, 2))
 
-        async def one(k: int) -> tuple[str, int, Any]:
-            i = rng.randrange(16)
-            kind = rng.choice(["store", "retrieve", "retrieve_out", "lookup"])
+        async def one(i: int, kind: str) -> tuple[str, int, Any]:
             if kind == "store":
                 return kind, i, await ctx.store(data[i], prefixes[i])
             if kind == "lookup":
@@ -271,15 +335,36 @@ async def test_random_cancellation_leaves_nothing_behind(server: LocalServer) ->
                                   layout.hidden_dim, dtype=layout.dtype)
             return kind, i, await ctx.retrieve(prefixes[i], out=out)
 
+        async def cut_after(delay: float, k: int, i: int, kind: str,
+                            outcomes: list[Any]) -> None:
+            with anyio.move_on_after(delay) as scope:
+                try:
+                    outcomes[k] = await one(i, kind)
+                except Exception as exc:  # as gather(return_exceptions=True): judged below
+                    outcomes[k] = exc
+            if scope.cancelled_caught:
+                outcomes[k] = CANCELLED
+
         cancelled = 0
         for _round in range(6):
-            tasks = [asyncio.create_task(one(k)) for k in range(24)]
-            await asyncio.sleep(0)
-            for task in tasks:
-                delay = rng.choice([0.0, 0.0005, 0.002, 0.005, 0.01, 0.03])
-                asyncio.get_running_loop().call_later(delay, task.cancel)
-            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(outcome, asyncio.CancelledError):
+            # drawn in the order the tasks of the Task.cancel form used to draw them
+            plans = [(rng.randrange(16), rng.choice(["store", "retrieve", "retrieve_out",
+                                                     "lookup"])) for _ in range(24)]
+            delays = [rng.choice([0.0, 0.0005, 0.002, 0.005, 0.01, 0.03]) for _ in plans]
+            if cut == "task_cancel":
+                tasks = [asyncio.create_task(one(i, kind)) for i, kind in plans]
+                await asyncio.sleep(0)
+                for task, delay in zip(tasks, delays, strict=True):
+                    asyncio.get_running_loop().call_later(delay, task.cancel)
+                outcomes = [CANCELLED if isinstance(o, asyncio.CancelledError) else o
+                            for o in await asyncio.gather(*tasks, return_exceptions=True)]
+            else:
+                outcomes = [None] * len(plans)
+                async with anyio.create_task_group() as tg:
+                    for k, ((i, kind), delay) in enumerate(zip(plans, delays, strict=True)):
+                        tg.start_soon(cut_after, delay, k, i, kind, outcomes)
+            for outcome in outcomes:
+                if outcome is CANCELLED:
                     cancelled += 1
                     continue
                 assert not isinstance(outcome, BaseException), outcome
@@ -325,7 +410,7 @@ async def test_dead_request_loop_is_diagnosed(server_factory: Callable[..., Loca
 
         await eventually(loop_died, what="the server's request loop stops answering")
         assert httpx.get(f"{server.http_url}/healthcheck").status_code == 200
-        await eventually(lambda: ctx._s.loop_dead, timeout=3 * SETTLE,
+        await eventually(lambda: on_client_loop(lambda: ctx._s.loop_dead), timeout=3 * SETTLE,
                          what="the heartbeat diagnoses the dead loop")
         with pytest.raises(lmkv.ServerTimeoutError, match="request loop is unresponsive"):
             await ctx.lookup(toks, timeout=1)

@@ -17,7 +17,7 @@ import random
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,11 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from servers import ServerPool, ServerSpec, leak_report
+from servers import ServerPool, ServerSpec, leak_report, on_client_loop
 from storer import LmcacheStorer, astore
 from timing import SETTLE, SLACK, eventually
 
 import lmkv_async as lmkv
-from lmkv_async import _loop_thread
 from lmkv_async.errors import (
     ClosedError,
     InvalidInputError,
@@ -84,14 +83,6 @@ def fresh(server_pool: ServerPool) -> Iterator[dict[str, LocalServer]]:
     finally:
         for srv in servers.values():
             server_pool.stop_private(srv)
-
-
-def on_fleet_loop(anyio_backend: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call a fleet internal where the fleet lives: this loop on asyncio, the client
-    loop thread under trio (the fleet's tasks and state are that loop's)."""
-    if anyio_backend == "asyncio":
-        return fn(*args)
-    return _loop_thread.portal().call(fn, *args)
 
 
 def urls(servers: dict[str, LocalServer]) -> dict[str, tuple[str, str]]:
@@ -433,7 +424,7 @@ async def test_own_stores_come_back_after_a_resync_that_discards(
         await m.store(kv_for(3 * C), seq)
         assert fleet.index.size("m") == 3
         # What the follower does on a "lost" batch (the log outran it), on its loop:
-        on_fleet_loop(anyio_backend, m.sync.apply,
+        on_client_loop(m.sync.apply,
                       KVResync("lost", m.sync.incarnation, 0, True, False))
         await eventually(lambda: fleet.index.size("m") == 3, what="own stores re-indexed")
         async with m.kv_events() as stream:
