@@ -32,9 +32,10 @@ cancellation (not swallowed, not turned into another error).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,68 +122,77 @@ def _counting_factory(counter: _Counter) -> Callable[..., asyncio.Task[Any]]:
     return factory
 
 
+@contextlib.contextmanager
+def _counting(loop: asyncio.AbstractEventLoop, counter: _Counter) -> Iterator[None]:
+    """Count the yields of every task ``loop`` creates meanwhile (see :func:`cancel_at`)."""
+    old_factory = loop.get_task_factory()
+    # The loop reads the factory at each task creation: one attribute store, so it may
+    # be set from another thread (the trio modes set the client loop's).
+    loop.set_task_factory(_counting_factory(counter))
+    try:
+        yield
+    finally:
+        counter.active = False
+        loop.set_task_factory(old_factory)
+
+
 async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outcome:
     """Run ``op()`` and cancel the caller's scope at the k-th await point (see module)."""
     if mode in TRIO_MODES:
         return await _trio_cancel_at(k, mode, op)
     loop = asyncio.get_running_loop()
     counter = _Counter(k)
-    old_factory = loop.get_task_factory()
-    factory = _counting_factory(counter)
 
     async def caller() -> Any:
         return await _Counted(op(), counter)  # type: ignore[arg-type]
 
-    loop.set_task_factory(factory)
     out = Outcome(False, False)
-    try:
-        if mode == "task_cancel":
-            task = asyncio.Task(caller())
-            counter.trigger = task.cancel
-            try:
-                out.result = await task
-            except asyncio.CancelledError:
-                if not task.cancelled():
-                    raise
-                out.surfaced = True
-        elif mode == "asyncio_timeout":
+    with _counting(loop, counter):
+        try:
+            if mode == "task_cancel":
+                task = asyncio.Task(caller())
+                counter.trigger = task.cancel
+                try:
+                    out.result = await task
+                except asyncio.CancelledError:
+                    if not task.cancelled():
+                        raise
+                    out.surfaced = True
+            elif mode == "asyncio_timeout":
 
-            async def timed() -> Any:
-                async with asyncio.timeout(None) as tm:
+                async def timed() -> Any:
+                    async with asyncio.timeout(None) as tm:
 
-                    def expire() -> bool:
-                        tm.reschedule(loop.time())
-                        return True
+                        def expire() -> bool:
+                            tm.reschedule(loop.time())
+                            return True
 
-                    counter.trigger = expire
-                    return await caller()
+                        counter.trigger = expire
+                        return await caller()
 
-            try:
-                out.result = await asyncio.Task(timed())
-            except TimeoutError:
-                out.surfaced = True
-        elif mode == "anyio_scope":
+                try:
+                    out.result = await asyncio.Task(timed())
+                except TimeoutError:
+                    out.surfaced = True
+            elif mode == "anyio_scope":
 
-            async def scoped() -> tuple[bool, Any]:
-                with anyio.CancelScope() as scope:
+                async def scoped() -> tuple[bool, Any]:
+                    with anyio.CancelScope() as scope:
 
-                    def cancel() -> bool:
-                        scope.cancel()
-                        return True
+                        def cancel() -> bool:
+                            scope.cancel()
+                            return True
 
-                    counter.trigger = cancel
-                    return False, await caller()
-                return scope.cancelled_caught, None
+                        counter.trigger = cancel
+                        return False, await caller()
+                    return scope.cancelled_caught, None
 
-            caught, out.result = await asyncio.Task(scoped())
-            out.surfaced = caught
-        else:
-            raise ValueError(mode)
-    except Exception as exc:
-        out.error = exc
-    finally:
-        counter.active = False
-        loop.set_task_factory(old_factory)
+                caught, out.result = await asyncio.Task(scoped())
+                out.surfaced = caught
+            else:
+                raise ValueError(mode)
+        except Exception as exc:
+            out.error = exc
     out.fired = counter.fired
     out.yields = counter.yields
     return out
@@ -207,8 +217,6 @@ async def _trio_cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -
             crossed.set()
         return handle
 
-    scope = trio.CancelScope() if mode == "trio_scope" else None
-
     def cut(sc: trio.CancelScope) -> bool:
         def now() -> None:
             if mode == "trio_scope":
@@ -225,33 +233,28 @@ async def _trio_cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -
         return True
 
     out = Outcome(False, False)
-    # Task creation on the loop reads the factory attribute; setting it from here is
-    # one attribute store, seen by the next task the loop creates.
-    old_factory = loop.get_task_factory()
-    loop.set_task_factory(_counting_factory(counter))
     loop.call_soon_threadsafe = watching_call_soon_threadsafe  # type: ignore[method-assign]
     try:
-        if mode == "trio_scope":
-            assert scope is not None
-            counter.trigger = lambda: cut(scope)
-            with scope:
-                out.result = await op()
-            out.surfaced = scope.cancelled_caught
-        elif mode == "trio_fail_after":
+        with _counting(loop, counter):
             try:
-                with trio.fail_after(3600) as deadline_scope:
-                    counter.trigger = lambda: cut(deadline_scope)
-                    out.result = await op()
-            except trio.TooSlowError:
-                out.surfaced = True
-        else:
-            raise ValueError(mode)
-    except Exception as exc:
-        out.error = exc
+                if mode == "trio_scope":
+                    with trio.CancelScope() as scope:
+                        counter.trigger = lambda: cut(scope)
+                        out.result = await op()
+                    out.surfaced = scope.cancelled_caught
+                elif mode == "trio_fail_after":
+                    try:
+                        with trio.fail_after(3600) as deadline_scope:
+                            counter.trigger = lambda: cut(deadline_scope)
+                            out.result = await op()
+                    except trio.TooSlowError:
+                        out.surfaced = True
+                else:
+                    raise ValueError(mode)
+            except Exception as exc:
+                out.error = exc
     finally:
-        counter.active = False
         del loop.call_soon_threadsafe  # back to the class's method
-        loop.set_task_factory(old_factory)
     out.fired = counter.fired
     out.yields = counter.yields
     return out

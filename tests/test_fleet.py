@@ -27,6 +27,7 @@ import pytest
 import torch
 from servers import ServerPool, ServerSpec, leak_report, on_client_loop
 from storer import LmcacheStorer, astore
+from test_context import gather
 from timing import SETTLE, SLACK, eventually
 
 import lmkv_async as lmkv
@@ -37,7 +38,7 @@ from lmkv_async.errors import (
     ServerTimeoutError,
     ServerUnavailableError,
 )
-from lmkv_async.fleet import Fleet, FleetLookup
+from lmkv_async.fleet import Fleet
 from lmkv_async.testing import LocalServer, server_env
 from lmkv_async.wire.events import KVResync, KVStored
 
@@ -525,15 +526,7 @@ async def test_aclose_leaves_nothing_on_any_server(trio: dict[str, LocalServer])
     for name in trio:
         await fleet[name].store(kv_for(2 * C), seq)
         assert await fleet[name].retrieve(seq) is not None
-    results: list[FleetLookup] = []
-
-    async def one_lookup() -> None:
-        results.append(await fleet.lookup(seq, source="lookup"))
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(20):
-            tg.start_soon(one_lookup)
-    assert len(results) == 20
+    results = await gather(*(fleet.lookup(seq, source="lookup") for _ in range(20)))
     assert all(r == {"a": 2 * C, "b": 2 * C, "c": 2 * C} for r in results)
     for srv in trio.values():
         st = await anyio.to_thread.run_sync(srv.status)
