@@ -3,6 +3,12 @@
 ``connect(...)`` (:mod:`.context`) validates its arguments here, then builds the
 session (detection and registration: :mod:`._session`, :mod:`._detect`) when
 the handle is awaited or entered.
+
+Entered (``async with connect(...) as ctx``), the handle opens the context's task
+group in the caller's task first (:class:`~._background.Background`), so the
+context's background work lives inside the caller's block and ends with it.
+Awaited (``ctx = await connect(...)``), the context hosts its group itself and
+``aclose()`` ends it: on trio in a system task (see ``docs/getting-started.md``).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
+
+from ._background import Background
 
 from .errors import InvalidInputError
 from .layout import KVLayout
@@ -81,17 +89,32 @@ def check_connect_args(
 
 
 class Connecting(Generic[C]):
-    """``connect(...)`` result: await it, or use it as ``async with``."""
+    """``connect(...)`` result: await it, or use it as ``async with``.
 
-    def __init__(self, factory: Callable[[], Awaitable[C]]) -> None:
+    ``factory(background)`` builds the object; ``background`` is None when awaited
+    (the object hosts its own task group) and the entered group under ``async with``.
+    """
+
+    def __init__(self, factory: Callable[[Background | None], Awaitable[C]],
+                 name: str = "context") -> None:
         self._factory = factory
+        self._name = name
         self._ctx: C | None = None
+        self._bg: Background | None = None
 
     def __await__(self) -> Generator[Any, None, C]:
-        return self._factory().__await__()
+        return self._factory(None).__await__()
 
     async def __aenter__(self) -> C:
-        self._ctx = await self._factory()
+        bg = Background(self._name)
+        await bg.__aenter__()
+        try:
+            self._ctx = await self._factory(bg)
+        except BaseException as exc:
+            # the factory undid its own work; the group has nothing left but to end
+            await bg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._bg = bg
         return self._ctx
 
     async def __aexit__(
@@ -100,5 +123,9 @@ class Connecting(Generic[C]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._ctx is not None:
-            await self._ctx.aclose()
+        try:
+            if self._ctx is not None:
+                await self._ctx.aclose()
+        finally:
+            if self._bg is not None:
+                await self._bg.__aexit__(exc_type, exc, tb)

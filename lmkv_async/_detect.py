@@ -13,8 +13,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-import zmq.asyncio
+import zmq
+
+from ._background import Background
 
 from .errors import (
     InvalidInputError,
@@ -165,8 +168,8 @@ async def probe_dialect(conn: Connection, timeout: float, url: str) -> Dialect:
     return dialect
 
 
-async def request_loop_answers(http: HttpClient, zmq_context: zmq.asyncio.Context,
-                                url: str) -> bool | None:
+async def request_loop_answers(http: HttpClient, zmq_context: zmq.Context[Any],
+                                url: str, background: Background) -> bool | None:
     """Whether the server's ZMQ request loop answers a probe; None when HTTP is down too.
 
     A 0.5.2 server's request loop dies for good on an op it cannot decode, while
@@ -176,7 +179,7 @@ async def request_loop_answers(http: HttpClient, zmq_context: zmq.asyncio.Contex
     if not await http.healthcheck():
         return None
     probe = Connection(zmq_context, url, -1)
-    probe.start()
+    probe.start(background)
     try:
         answered = await probe.wait_connected(2.0)
         if answered:

@@ -1,9 +1,15 @@
-"""A lock per key, for serialising SHM retrieves of one prefix within a context."""
+"""A lock per key, for serialising SHM retrieves of one prefix within a context.
+
+Each key's lock is an ``anyio.Semaphore(1)``, not an ``anyio.Lock``: the retrieve
+job takes it and its release step (another job) gives it back, and an anyio lock
+may only be released by the task that holds it.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
+
+import anyio
 
 from ._waits import acquire_within
 from .errors import ServerTimeoutError
@@ -12,16 +18,16 @@ __all__ = ["KeyedLock"]
 
 
 class KeyedLock:
-    """One asyncio lock per key, dropped when nobody holds or waits for it."""
+    """One lock per key, dropped when nobody holds or waits for it."""
 
     def __init__(self) -> None:
-        self._locks: dict[bytes, tuple[asyncio.Lock, int]] = {}
+        self._locks: dict[bytes, tuple[anyio.Semaphore, int]] = {}
 
     async def acquire(self, key: bytes, deadline: float, server: str) -> None:
         """Wait for ``key`` until ``deadline``; a timeout is a ServerTimeoutError."""
         lock, users = self._locks.get(key, (None, 0))
         if lock is None:
-            lock = asyncio.Lock()
+            lock = anyio.Semaphore(1)
         self._locks[key] = (lock, users + 1)
         try:
             held = await acquire_within(lock, deadline - time.monotonic())

@@ -8,32 +8,35 @@ Each operation is a fixed sequence of RPCs (protocol reference §6.4)::
     retrieve : lookup -> prefetch status -> prepare_retrieve -> copy out -> commit_retrieve
                -> end_session
     view     : the retrieve sequence, with the caller's ``async with`` block in place of
-               the copy (the sequence's task waits for the block to end)
+               the copy (the sequence's job waits for the block to end)
 
 What each step reserved on the server is released on every exit path, by the
-rules in :mod:`._release`. A sequence runs in its own task that the caller
-awaits through ``asyncio.shield`` (:meth:`Session.run`): if the caller is
-cancelled, the task goes on to its release steps, and a store whose slots were
+rules in :mod:`._release`. A sequence runs as a job of its own that the
+caller waits for (:meth:`Session.run`): if the caller is cancelled, the job
+goes on to its release steps, and a store whose slots were
 handed out still fills and commits them, because an unfilled reservation can
 later be published as a garbage entry (protocol reference §6.6).
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
+import anyio
 import torch
 
 from . import _logctx, _session, kernel
+from ._background import Job, Signal
 from ._release import Prepared, lookup_release, retrieve_release
 from ._session import OpState, Session
 from .cuda import DeviceCopy
 from .errors import (
+    ClosedError,
     KVCacheError,
     ProtocolError,
     ServerError,
@@ -159,23 +162,24 @@ async def _lookup_locked(s: Session, seq: _Seq, deadline: float) -> int:
         # frozen server makes the query's reply late more often, and once our lost
         # query has consumed the result a 0.5.2 server's anonymous free cannot be
         # aimed (it would leave the locks until their TTL).
-        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        ack = asyncio.ensure_future(s.rpc(seq.conn, req, deadline, request_id=seq.rid,
-                                          grace_from=seq.started, sent=sent))
+        sent = Signal()
+        ack = s.spawn(functools.partial(s.rpc, seq.conn, req, deadline, request_id=seq.rid,
+                                        grace_from=seq.started, sent=sent), name="lmkv-ack")
         try:
-            await asyncio.wait((sent, ack), return_when=asyncio.FIRST_COMPLETED)
-            if not sent.done():
-                await ack  # failed before it was sent: raises
+            await sent.wait_or(ack)
+            if not sent.fired:
+                await ack.wait()
+                ack.result()  # failed before it was sent: raises
                 raise ProtocolError("lookup was not sent", op="lookup", server=s.url)
             hit = await _prefetch_result(s, seq, deadline)
             seq.hit = min(hit, seq.n // C)  # consumed: the release frees it even if ack fails
-            await ack
+            await ack.wait()
+            ack.result()
         finally:
             if not ack.done():
                 ack.cancel()  # we are failing or cancelled: the release steps take over
-            # Retrieve its outcome either way: an ack that failed together with the query
-            # (a killed server) would otherwise be reported as never retrieved.
-            await asyncio.gather(ack, return_exceptions=True)
+                with anyio.CancelScope(shield=True):
+                    await ack.wait()
     else:
         await s.rpc(seq.conn, req, deadline, request_id=seq.rid, grace_from=seq.started)
         hit = await _prefetch_result(s, seq, deadline)
@@ -209,7 +213,7 @@ async def _release_lookup(s: Session, seq: _Seq, *, free_hit: bool) -> None:
         await _end_session(s, seq)
 
 
-async def _after(gate: asyncio.Future[None], deadline: float,
+async def _after(gate: anyio.Event, deadline: float,
                  steps: Callable[[], Coroutine[object, object, None]]) -> None:
     """Run the release ``steps`` once ``gate`` is done (or the deadline passed).
 
@@ -217,17 +221,18 @@ async def _after(gate: asyncio.Future[None], deadline: float,
     that was never awaited.
     """
     try:
-        if not gate.done():
-            await asyncio.wait({gate}, timeout=max(0.0, deadline - time.monotonic()))
+        if not gate.is_set():
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                await gate.wait()
     finally:
         await steps()
 
 
 async def lookup(s: Session, toks: list[int], salt: str, n: int, deadline: float,
-                 release_gate: asyncio.Future[None] | None = None) -> int:
+                 release_gate: anyio.Event | None = None) -> int:
     """Cached prefix of ``toks[:n]`` in tokens; leaves no lock behind.
 
-    ``release_gate``: hold the release steps back until it is done (at the latest
+    ``release_gate``: hold the release steps back until it is set (at the latest
     until the deadline). A fan-out passes one it resolves when every server has
     answered, so one server's release steps do not compete with the lookups still
     in flight on the others, on this event loop and on shared CPUs.
@@ -289,13 +294,13 @@ async def _retrieve_seq(s: Session, state: OpState, toks: list[int], n: int, sal
         seq.retrieve_key = key
         # SENT only once the request is on the socket: a prepare that never went out
         # (its deadline used up at the read gate) leaves the locks with the lookup.
-        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        sent = Signal()
         try:
             raw = await s.rpc(seq.conn, requests.prepare_retrieve(s.d, key, s.instance_id),
                               deadline, request_id=seq.rid, grace_from=seq.started,
                               sent=sent)
         finally:
-            prepared = Prepared.SENT if sent.done() else Prepared.NONE
+            prepared = Prepared.SENT if sent.fired else Prepared.NONE
         if spec is None and has_slots(raw):
             # An SHM server serves retrieves only through its pool, which this
             # client could not map; commit_retrieve (cleanup) releases the read.
@@ -342,16 +347,15 @@ async def _release_retrieve(s: Session, seq: _Seq, prepared: Prepared) -> None:
 
 # ---------------------------------------------------------------------- views
 class ViewHold:
-    """A retrieve whose task holds the read while the caller's block runs.
+    """A retrieve whose job holds the read while the caller's block runs.
 
-    ``ready`` resolves with the chunk placements once the slots are handed out;
-    the task then waits for :meth:`release` and goes on to the retrieve's
-    release steps. Its task is tracked by the session like any operation.
+    ``ready`` fires with the chunk placements once the slots are handed out;
+    the job then waits for :meth:`release` and goes on to the retrieve's
+    release steps. The session owns the job like any operation.
     """
 
-    def __init__(self, task: asyncio.Task[int],
-                 ready: asyncio.Future[tuple[list[tuple[int, int]], RegionArg]],
-                 done: asyncio.Event, state: OpState, started: float) -> None:
+    def __init__(self, task: Job[int], ready: Signal, done: anyio.Event, state: OpState,
+                 started: float) -> None:
         self.task = task
         self.ready = ready
         self._done = done
@@ -359,11 +363,11 @@ class ViewHold:
         #: when the lookup was sent: the server's read lock is younger than this
         self.started = started
         #: called once the hold ends for any reason (also when aclose() gives up on it
-        #: and cancels the task, just before the pool is unmapped)
+        #: and cancels the job, just before the pool is unmapped)
         self.on_end: list[Callable[[], None]] = []
 
     def release(self) -> None:
-        """End the hold: the task sends the release steps in the background."""
+        """End the hold: the job sends the release steps in the background."""
         self._state.abandoned = True
         self._done.set()
 
@@ -380,19 +384,18 @@ async def open_view(s: Session, toks: list[int], n: int, salt: str,
 
     Returns the hold, the placements (empty on a miss) and the bounds of the pool
     they lie in (the pool of the registration that handed them out). If the caller is
-    cancelled while waiting, the hold is released and the task releases
+    cancelled while waiting, the hold is released and the job releases
     whatever the sequence got (the same rules as a retrieve).
     """
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[tuple[list[tuple[int, int]], RegionArg]] = loop.create_future()
-    done = asyncio.Event()
+    ready = Signal()
+    done = anyio.Event()
     state = OpState()
     started = time.monotonic()
 
     async def consume(hit: int, chunks: list[tuple[int, int]], region: RegionArg,
                       nbytes: int) -> None:
         if not ready.done():  # the caller gave up already: release at once
-            ready.set_result((chunks, region))
+            ready.set((chunks, region))
             s.open_views.add(hold.end)
             try:
                 await done.wait()
@@ -401,21 +404,23 @@ async def open_view(s: Session, toks: list[int], n: int, salt: str,
                 for cb in hold.on_end:
                     cb()
 
-    task = s.track(asyncio.create_task(
-        _retrieve_seq(s, state, toks, n, salt, consume, deadline)))
+    task = s.spawn(_retrieve_seq, s, state, toks, n, salt, consume, deadline,
+                   name="lmkv-view")
     hold = ViewHold(task, ready, done, state, started)
     try:
-        await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+        await ready.wait_or(task)
+    except BaseException:  # the caller's cancellation: the job releases what it got
         ready.cancel()
         hold.release()
         raise
-    if ready.done():
-        chunks, region = ready.result()
+    if ready.fired:
+        chunks, region = ready.value
         assert isinstance(region, Region)  # SHM: one pool
         return hold, chunks, region
     ready.cancel()
     hold.release()
+    if task.cancelled():
+        raise ClosedError("the context was closed while the view was opening")
     try:
         task.result()  # a miss returns 0; an error is the caller's error
     except ServerError as exc:
@@ -467,11 +472,11 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
         # and goes out even when the copy ended past the caller's deadline. The
         # caller waits for it until that deadline; past it the commit completes in
         # a tracked task (close waits for it) and the caller gets the timeout.
-        commit = s.track(asyncio.ensure_future(s.rpc(
-            conn, requests.commit_store(s.d, key, s.instance_id),
+        commit = s.spawn(functools.partial(
+            s.rpc, conn, requests.commit_store(s.d, key, s.instance_id),
             max(commit_deadline, time.monotonic() + _session.CLEANUP_TIMEOUT),
-            request_id=rid, grace_from=seq.started)))
-        await asyncio.wait({commit}, timeout=max(0.0, commit_deadline - time.monotonic()))
+            request_id=rid, grace_from=seq.started), name="lmkv-commit")
+        await commit.wait_within(commit_deadline - time.monotonic())
         if not commit.done():
             raise ServerTimeoutError(
                 "commit_store was not answered within the deadline; it goes on in the "
@@ -492,7 +497,11 @@ async def _store_shm(s: Session, toks: list[int], total: int, salt: str,
             await _end_session(s, seq)
 
     def on_late(reply: Reply) -> None:
-        s.track(asyncio.create_task(late_store(reply)))
+        if s.background.running:
+            s.spawn(late_store, reply, name="lmkv-late-store")
+        else:
+            log.warning("a late prepare_store reply came after close; its slots stay "
+                        "reserved until the server drops the session")
 
     try:
         raw = await s.rpc(conn, requests.prepare_store(s.d, key, s.instance_id), deadline,

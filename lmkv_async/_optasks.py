@@ -1,18 +1,23 @@
-"""Operations in tasks of their own, release steps in the background, all tracked.
+"""Operations in jobs of their own, release steps in the background, all owned.
 
-A public operation runs in a task that its caller awaits through
-``asyncio.shield``: the caller's cancellation abandons the wait, not the
-sequence, which goes on to its release steps. Release steps run in background
-tasks after the caller has its answer. Every such task is tracked, so that the
-session's close can wait for them (bounded) before it unregisters.
+A public operation runs as a :class:`~._background.Job` of the session's
+:class:`~._background.Background`, and its caller waits for the job to end: the
+caller's cancellation (an anyio or trio cancel scope, ``asyncio.timeout``,
+``Task.cancel``) abandons the wait, not the sequence, which goes on to its
+release steps. Release steps run as jobs after the caller has its answer. The
+session's close waits for them (bounded) before it unregisters, then cancels
+what is left; nothing outlives the session's task group.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
+import anyio.lowlevel
+
+from ._background import Background, Job
 from .errors import ClosedError, ServerError, with_context
 
 __all__ = ["OpState", "TaskKeeper"]
@@ -21,7 +26,7 @@ T = TypeVar("T")
 
 
 class OpState:
-    """Shared between a caller and its operation task."""
+    """Shared between a caller and its operation job."""
 
     __slots__ = ("abandoned",)
 
@@ -30,12 +35,22 @@ class OpState:
 
 
 class TaskKeeper:
-    """The tracked tasks of one session (a base of :class:`._session.Session`)."""
+    """The owned jobs of one session (a base of :class:`._session.Session`)."""
 
     url: str
 
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
+    def __init__(self, background: Background) -> None:
+        self.background = background
+        #: operations and release steps still running (not the readers and monitors)
+        self._tasks: set[Job[Any]] = set()
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any,
+              name: str) -> Job[T]:
+        """Start a job that close waits for (bounded) before unregistering."""
+        job = self.background.start_soon(fn, *args, name=name)
+        self._tasks.add(job)
+        job.add_done_callback(self._tasks.discard)
+        return job
 
     def release_later(self, steps: Coroutine[Any, Any, None]) -> None:
         """Run release steps in the background: the caller has its answer already.
@@ -43,7 +58,12 @@ class TaskKeeper:
         They are ordered after everything the operation did on the same socket,
         and close waits for them (bounded) before unregistering.
         """
-        self.track(asyncio.create_task(self._after_caller(steps)))
+        if not self.background.running:
+            # The session's group is closing: run them anyway, but nobody would own
+            # them; closing the coroutine unstarted is the honest alternative.
+            steps.close()
+            return
+        self.spawn(self._after_caller, steps, name="lmkv-release")
 
     #: loop iterations a release step waits before its first send (see _after_caller)
     release_yields = 3
@@ -52,39 +72,31 @@ class TaskKeeper:
         # Let the operation's caller resume first: it has its answer, and the release
         # step's send (a syscall that wakes ZMQ's I/O thread: 0.1-0.4 ms on a loaded
         # machine) would otherwise run before it. Three iterations cover the operation
-        # task's completion, the shield's hand-over and the caller's wake-up.
+        # job's completion, the caller's wake-up and its return.
         try:
             for _ in range(self.release_yields):
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         except BaseException:
             steps.close()
             raise
         await steps
 
     async def run(self, op: Callable[[OpState], Coroutine[Any, Any, T]]) -> T:
-        """Run an operation in its own task; shield it from the caller's cancellation."""
+        """Run an operation as a job of its own; the caller's cancellation abandons the
+        wait, not the operation."""
         state = OpState()
-        task = self.track(asyncio.create_task(op(state)))
+        if not self.background.running:
+            raise ClosedError("the context is closed")
+        job = self.spawn(op, state, name="lmkv-op")
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and (current is None or not current.cancelling()):
-                # aclose() gave up on the operation; its caller was not cancelled
-                raise ClosedError("the context was closed while the operation was in "
-                                  "flight") from None
+            await job.wait()
+        except BaseException:
             state.abandoned = True
             raise
+        if job.cancelled():
+            # aclose() gave up on the operation; its caller was not cancelled
+            raise ClosedError("the context was closed while the operation was in flight")
+        try:
+            return job.result()
         except ServerError as exc:  # errors from reply parsing name the server too
             raise with_context(exc, server=self.url) from None
-
-    def track(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
-        """Keep a background task until it ends; close waits for all of them."""
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved, so an abandoned task's error is not reported lost

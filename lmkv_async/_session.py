@@ -8,23 +8,26 @@ from a frozen server, and runs every RPC and release step. The operation
 sequences (:mod:`._ops`) are built on it; the public face (:mod:`.context`)
 only holds one.
 
-Release steps run in background tasks that :meth:`Session.close` waits for, for
-at most :data:`CLOSE_BUDGET` seconds: a server that never answers cannot hold
-``aclose()`` for longer than that.
+Release steps run as jobs of the session's :class:`~._background.Background`
+that :meth:`Session.close` waits for, for at most :data:`CLOSE_BUDGET` seconds:
+a server that never answers cannot hold ``aclose()`` for longer than that. The
+close ends the group too (or the caller's ``async with`` does, see
+:mod:`._connect`), so nothing the session started outlives it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+import anyio
 import anyio.to_thread
 
 from . import _logctx
+from ._background import Background, Job
 from ._detect import (
     DEFAULT_READ_TTL,
     NEWEST,
@@ -50,7 +53,7 @@ from .errors import (
 from .http import ApiKey, HttpClient
 from .layout import KVLayout
 from .shm import PoolMapping
-from .transport import Connection, LateHandler, Transport
+from .transport import Connection, LateHandler, Settable, Transport
 from .validate import check_timeout
 from .wire import requests
 from .wire.dialect import Dialect
@@ -103,8 +106,11 @@ class Session(TaskKeeper):
         heartbeat_interval: float | None,
         prefault: bool,
         api_key: ApiKey | None,
+        background: Background | None = None,
     ) -> None:
-        TaskKeeper.__init__(self)
+        #: None: open() hosts a group of the session's own (``ctx = await connect()``)
+        self._hosts_background = background is None
+        TaskKeeper.__init__(self, background or Background(f"context {url}"))
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -126,7 +132,7 @@ class Session(TaskKeeper):
         self.pool: PoolMapping | None = None
         self._retired_pools: list[PoolMapping] = []
         #: pre-faulting of a pool mapped on re-registration (runs behind operations)
-        self._populating: set[asyncio.Future[str]] = set()
+        self._populating: set[Job[str]] = set()
         #: CUDA side (registration, streams), made by the first GPU transfer (lmkv_async.cuda)
         self.gpu: GpuTransfers | None = None
         self.mode: Literal["shm", "pickle"] = "pickle"
@@ -134,7 +140,7 @@ class Session(TaskKeeper):
         self._registered_generation = -1
         self._register_sent = False
         self.loop_dead = False  # see diagnose_silence
-        self._register_lock = asyncio.Lock()
+        self._register_lock = anyio.Lock()
         #: SHM retrieves of one prefix are serialised: the server keys pending reads by
         #: (instance, key) and key equality ignores request_id, so a second concurrent
         #: prepare_retrieve of the same key would overwrite the first's pending read.
@@ -142,7 +148,7 @@ class Session(TaskKeeper):
         #: open retrieve_view blocks: close() ends them first, so their release steps
         #: run (and their tensors raise) instead of waiting out CLOSE_BUDGET
         self.open_views: set[Callable[[], None]] = set()
-        self._heartbeat: asyncio.Task[None] | None = None
+        self._heartbeat: Job[None] | None = None
         self.state: Literal["new", "open", "closing", "closed"] = "new"
         #: runs the teardown once; every close (and a failed open) waits for it
         self._closer = Once()
@@ -180,14 +186,16 @@ class Session(TaskKeeper):
     async def open(self) -> None:
         """Detect, connect, register, start the heartbeat; undo everything on failure."""
         try:
+            if self._hosts_background:
+                await self.background.host()
             await self._connect()
             await self._register(time.monotonic() + self.timeout)
             self.state = "open"
             if self.heartbeat_interval is None:
                 self.heartbeat_interval = heartbeat_interval_for(self.reap_timeout)
             if self.heartbeat_interval > 0:
-                self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
-                                                      name="lmkv-heartbeat")
+                self._heartbeat = self.background.start_soon(self._heartbeat_loop,
+                                                             name="lmkv-heartbeat")
         except BaseException:
             # Unregister whenever a registration was sent: its reply may have been late
             # or malformed after the server had registered us (unregister is idempotent).
@@ -199,7 +207,7 @@ class Session(TaskKeeper):
         """Everything before registering: HTTP detection, ZMQ connect, dialect, chunk
         size, capabilities (shared with the fleet's light lookup sessions)."""
         await self._detect_server()
-        self.transport.start()
+        self.transport.start(self.background)
         if not await self.transport.wait_connected(self.timeout):
             raise ServerUnavailableError("cannot connect to the ZMQ endpoint", server=self.url)
         if self.dialect is None:
@@ -301,7 +309,8 @@ class Session(TaskKeeper):
                     # Re-registration (a restarted server): an operation is waiting on us,
                     # and faulting a multi-GB pool under load can outlast its deadline.
                     # Pages fault in on use meanwhile; teardown waits before unmapping.
-                    job = asyncio.ensure_future(asyncio.to_thread(pool.populate))
+                    job = self.background.start_soon(anyio.to_thread.run_sync, pool.populate,
+                                                     name="lmkv-prefault")
                     self._populating.add(job)
                     job.add_done_callback(self._populating.discard)
                 new_pool = pool
@@ -391,7 +400,7 @@ class Session(TaskKeeper):
         assert self.heartbeat_interval is not None
         _logctx.bind(op="heartbeat", server=self.url)  # this task's records
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            await anyio.sleep(self.heartbeat_interval)
             try:
                 deadline = time.monotonic() + min(self.timeout, max(self.heartbeat_interval, 1.0))
                 await self.ensure_registered(deadline)
@@ -411,7 +420,8 @@ class Session(TaskKeeper):
 
     async def _diagnose_silence(self) -> None:
         """Tell a dead ZMQ request loop from a slow or frozen server (compat.md §12.11)."""
-        answered = await request_loop_answers(self.http, self.transport.zmq_context, self.url)
+        answered = await request_loop_answers(self.http, self.transport.zmq_context, self.url,
+                                              self.background)
         if answered is None:
             return  # all of it is down or frozen: plain timeouts say enough
         if not answered and not self.loop_dead:
@@ -438,7 +448,7 @@ class Session(TaskKeeper):
         """
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
+            await self._heartbeat.wait()
         for end_view in list(self.open_views):
             end_view()
         budget = 1.0 if self.loop_dead else CLOSE_BUDGET
@@ -449,9 +459,9 @@ class Session(TaskKeeper):
             self._tasks or any(c.late_pending for c in self.transport.connections)
         ):
             if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=give_up - time.monotonic())
+                await self.background.drain(self._tasks, give_up - time.monotonic())
             else:
-                await asyncio.sleep(0.05)
+                await anyio.sleep(0.05)
         if self._tasks:
             log.warning(
                 "aclose: %d operation(s) or release step(s) got no reply within %.1fs; "
@@ -463,15 +473,16 @@ class Session(TaskKeeper):
             self._abandoned = True
             for c in self.transport.connections:
                 c.fail_pending("the context was closed before the server answered")
-            await asyncio.wait(list(self._tasks), timeout=0.5)
-            # Last resort: something not waiting on a reply. A task in a copy thread
+            await self.background.drain(self._tasks, 0.5)
+            # Last resort: something not waiting on a reply. A job in a copy thread
             # ends only once the thread has (memory.offload), so the pool is not
-            # unmapped under it. Release tasks that a cancelled one starts are
-            # cancelled (and so awaited) in turn: they would send nothing anyway.
+            # unmapped under it. Release jobs that a cancelled one starts are
+            # cancelled (and so waited for) in turn: they would send nothing anyway.
             while self._tasks:
                 for task in list(self._tasks):
                     task.cancel()
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+                for task in list(self._tasks):
+                    await task.wait()
         self._abandoned = False  # the unregister below is still worth a short try
         conn = self.transport.pick()
         if unregister and self.dialect is not None and not self.loop_dead and conn.connected:
@@ -482,8 +493,8 @@ class Session(TaskKeeper):
                 log.warning("unregister failed: %s", exc)
         self.transport.close()
         await self.http.aclose()
-        if self._populating:  # a pre-fault thread may still touch the mapping
-            await asyncio.gather(*self._populating, return_exceptions=True)
+        for job in list(self._populating):  # a pre-fault thread may still touch the mapping
+            await job.wait()
         if self.gpu is not None:
             await self.gpu.aclose()  # cudaHostUnregister before munmap
         for pool in [self.pool, *self._retired_pools]:
@@ -491,13 +502,15 @@ class Session(TaskKeeper):
                 pool.close()
         self.pool = None
         self._retired_pools.clear()
+        if self._hosts_background:
+            await self.background.aclose()
         self.state = "closed"
 
     # ------------------------------------------------------------------ plumbing
     async def rpc(self, conn: Connection, req: Request, deadline: float,
                   on_late: LateHandler | None = None, request_id: str | None = None,
                   grace_from: float | None = None,
-                  sent: asyncio.Future[None] | None = None) -> object:
+                  sent: Settable | None = None) -> object:
         """One request within ``deadline``; errors carry op, server and request id.
 
         ``grace_from``: when the request's operation began (one reconnect grace per

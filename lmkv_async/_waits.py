@@ -14,14 +14,12 @@ sockets). These helpers wait inline, without an extra task, under
 
 from __future__ import annotations
 
-import asyncio
-
 import anyio
 
 __all__ = ["acquire_within", "wait_event"]
 
 
-async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+async def wait_event(event: anyio.Event, timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for ``event``; return whether it is set."""
     if event.is_set():
         return True
@@ -30,11 +28,11 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return event.is_set()
 
 
-async def acquire_within(lock: asyncio.Lock, timeout: float) -> bool:
+async def acquire_within(lock: anyio.Lock | anyio.Semaphore, timeout: float) -> bool:
     """Acquire ``lock`` within ``timeout`` seconds; False (not held) if the time ran out."""
     with anyio.move_on_after(max(0.0, timeout)):
         await lock.acquire()
         return True
-    # asyncio.Lock.acquire hands a lock granted in the same iteration as our
-    # deadline on to the next waiter before it raises, so False means not held
+    # anyio.Lock.acquire hands a lock granted in the same iteration as our deadline
+    # on to the next waiter before it raises (on both backends), so False means not held
     return False

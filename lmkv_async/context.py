@@ -15,9 +15,9 @@ from typing import Any, Literal
 import torch
 
 from . import _loop_thread, _ops, cuda, kernel
+from ._background import Background
 from ._connect import Connecting, check_connect_args
 from ._session import Session, TransportMode
-from ._trio_bridge import hop, hop_cleanup
 from ._view_block import ViewBlock
 from .errors import InvalidInputError, TransportUnavailableError
 from .events import KVEventStream, require_kv_events
@@ -120,7 +120,6 @@ class AsyncKVContext:
         return self._s.state in ("closing", "closed")
 
     # ------------------------------------------------------------------ lifecycle
-    @hop_cleanup
     async def aclose(self) -> None:
         """Finish in-flight release steps, unregister, and close everything.
 
@@ -150,7 +149,6 @@ class AsyncKVContext:
         await self.aclose()
 
     # ------------------------------------------------------------------ lookup
-    @hop
     async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
                      timeout: float | None = None) -> int:
         """Length in tokens of the longest cached prefix of ``tokens``.
@@ -169,7 +167,6 @@ class AsyncKVContext:
             return await _ops.lookup(self._s, toks, salt, n, deadline)
 
     # ------------------------------------------------------------------ retrieve
-    @hop
     async def retrieve(
         self,
         tokens: Tokens,
@@ -254,7 +251,6 @@ class AsyncKVContext:
                 f"(transport {self._s.mode!r})")
         return ViewBlock(self._s, self._stats, toks, salt, deadline)
 
-    @hop
     async def retrieve_blocks(
         self,
         tokens: Tokens,
@@ -297,7 +293,6 @@ class AsyncKVContext:
         return hit * C
 
     # ------------------------------------------------------------------ store
-    @hop
     async def store(
         self,
         kv: torch.Tensor,
@@ -333,7 +328,6 @@ class AsyncKVContext:
             to_dense = src.cpu  # inline data is pickled from CPU tensors (worker thread)
         return await self._store("store", toks, salt, to_chunks, to_dense, deadline)
 
-    @hop
     async def store_blocks(
         self,
         kv_caches: Sequence[torch.Tensor],
@@ -398,7 +392,6 @@ class AsyncKVContext:
         return StoreResult(total, written, C, ignored)
 
     # ------------------------------------------------------------------ fan-out
-    @hop
     async def lookup_many(
         self,
         token_lists: Sequence[Tokens],
@@ -418,7 +411,6 @@ class AsyncKVContext:
             max_in_flight,
         )
 
-    @hop
     async def retrieve_many(
         self,
         token_lists: Sequence[Tokens],
@@ -442,7 +434,6 @@ class AsyncKVContext:
             max_in_flight,
         )
 
-    @hop
     async def store_many(
         self,
         items: Sequence[tuple[torch.Tensor, Tokens]],
@@ -498,7 +489,6 @@ class AsyncKVContext:
             snap["gpu"] = self._s.gpu.snapshot()
         return snap
 
-    @hop
     async def status(self) -> dict[str, Any]:
         """The server's ``/status`` (locks, sessions, registrations).
 
@@ -565,17 +555,16 @@ def connect(
     url, timeout = args.url, args.timeout
     key = resolve_api_key(api_key)
 
-    @hop
-    async def factory() -> AsyncKVContext:
+    async def factory(background: Background | None) -> AsyncKVContext:
         session = Session(
             url, http_url, model_name, layout=layout, timeout=timeout, transport=transport,
             sockets=sockets, shm_dir=shm_dir, heartbeat_interval=heartbeat_interval,
-            prefault=prefault, api_key=key,
+            prefault=prefault, api_key=key, background=background,
         )
         await session.open()
         ctx = AsyncKVContext(session)
-        # opened for a trio caller (or the blocking facade): close it at exit if left open
+        # opened for the blocking facade: close it at exit if left open
         _loop_thread.track_if_on_loop(ctx)
         return ctx
 
-    return Connecting(factory)
+    return Connecting(factory, name=f"context {url}")

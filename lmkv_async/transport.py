@@ -1,4 +1,4 @@
-"""ZMQ transport: DEALER sockets, a reader callback per socket, uid-matched futures.
+"""ZMQ transport: DEALER sockets, a reader job per socket, uid-matched reply slots.
 
 Knows frames, not operations. Every request has a deadline; a request that times
 out or is cancelled is removed from the pending map at once. When the peer goes
@@ -18,22 +18,27 @@ would take the same objects.
 The server runs prepare/commit of one socket identity on one worker thread in
 FIFO order, so a context may hold a small pool of sockets (``Transport``) and
 run each operation's RPC sequence on one of them (``Connection``).
+
+Backend-neutral: the reader waits on the socket's file descriptor through
+``anyio.wait_readable``, replies resolve :class:`_Slot` objects (an
+``anyio.Event`` and a value), deadlines are anyio scopes, and the reader and
+monitor are jobs of the owner's :class:`~lmkv_async._background.Background`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
+from typing import Any, Protocol
+import anyio
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from . import _zsock
+from ._background import Background, Job
 from ._waits import wait_event
 from .errors import (
     ClosedError,
@@ -79,9 +84,50 @@ RECONNECT_GRACE = 2.0
 LateHandler = Callable[[Reply], None]
 
 
+class Settable(Protocol):
+    """What ``request(sent=...)`` sets once the request is on the socket."""
+
+    def set(self) -> None: ...
+
+
+class _Slot:
+    """Where one request's reply lands: set once, then awaited by the requester."""
+
+    __slots__ = ("error", "event", "reply", "wake")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.reply: Reply | None = None
+        self.error: BaseException | None = None
+        #: also set when the slot is (a sender waiting for room stops waiting)
+        self.wake: anyio.Event | None = None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def set_result(self, reply: Reply) -> None:
+        self.reply = reply
+        self._settle()
+
+    def set_exception(self, error: BaseException) -> None:
+        self.error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        self.event.set()
+        if self.wake is not None:
+            self.wake.set()
+
+    def get(self) -> Reply:
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
+
+
 @dataclass
 class _Pending:
-    future: asyncio.Future[Reply]
+    slot: _Slot
     op_frame: bytes
     op: str
     started: float
@@ -90,14 +136,14 @@ class _Pending:
 
 
 class Connection:
-    """One DEALER socket with its reader and monitor tasks."""
+    """One DEALER socket with its reader and monitor jobs."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, url: str, index: int) -> None:
+    def __init__(self, ctx: zmq.Context[Any], url: str, index: int) -> None:
         self.url = url
         self.index = index
-        # A plain (sync) socket, driven by an event-loop reader on its FD: zmq.asyncio's
-        # per-call futures and poller dominated the client's cost of small requests.
-        # (Its monitor socket, made through the asyncio context, is an asyncio one.)
+        # A plain (sync) socket whose FD a reader job waits on: zmq.asyncio's per-call
+        # futures and poller dominated the client's cost of small requests (and need
+        # an asyncio loop).
         self._sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -106,25 +152,25 @@ class Connection:
         # between a server's death and our monitor seeing it waits in the pipe and is
         # delivered to the *restarted* server, opening a session nobody ends.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        # The monitor's PAIR end comes from the asyncio context, so it can be awaited.
         monitor_addr = f"inproc://lmkv-monitor-{id(self):x}-{index}"
         self._sock.monitor(monitor_addr, _MONITOR_EVENTS)
-        self._monitor: zmq.asyncio.Socket = ctx.socket(zmq.PAIR)
+        self._monitor: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
         self._monitor.connect(monitor_addr)
         self._pending: dict[bytes, _Pending] = {}
         self._uids = itertools.count(1)
-        self._connected = asyncio.Event()
+        self._connected = anyio.Event()
         self._closed = False
         #: monotonic time since when the socket has had no live connection (set at
         #: start and at each disconnect); the reconnect grace counts from here.
         self._down_since = time.monotonic()
         #: incremented on every (re)connect; a change means the peer may be new.
         self.generation = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bg: Background | None = None
         self._fd = -1
-        #: senders waiting for room below the high-water mark (woken by the FD reader)
-        self._writable: list[asyncio.Future[None]] = []
-        self._watcher: asyncio.Task[None] | None = None
+        #: senders waiting for room below the high-water mark (woken by the reader)
+        self._writable: list[anyio.Event] = []
+        self._jobs: list[Job[None]] = []
+        self._recheck: Job[None] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -160,14 +206,16 @@ class Connection:
         left = min(timeout, self.grace_left(since))
         return left > 0 and await self.wait_connected(left)
 
-    def start(self) -> None:
-        """Connect, install the FD reader and start the monitor task."""
+    def start(self, background: Background) -> None:
+        """Connect, and start the reader and the monitor as jobs of ``background``."""
         self._down_since = time.monotonic()
         self._sock.connect(self.url)
-        self._loop = asyncio.get_running_loop()
+        self._bg = background
         self._fd = int(self._sock.getsockopt(zmq.FD))
-        self._loop.add_reader(self._fd, self._on_readable)
-        self._watcher = asyncio.create_task(self._watch_loop(), name=f"lmkv-monitor-{self.index}")
+        self._jobs = [
+            background.start_soon(self._read_loop, name=f"lmkv-reader-{self.index}"),
+            background.start_soon(self._watch_loop, name=f"lmkv-monitor-{self.index}"),
+        ]
 
     async def wait_connected(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for a live connection; return whether there is one."""
@@ -176,7 +224,7 @@ class Connection:
     async def _watch_loop(self) -> None:
         try:
             while True:
-                frames = await self._monitor.recv_multipart()
+                frames = await _zsock.recv_multipart(self._monitor)
                 event = parse_monitor_message(frames)["event"]
                 if event == zmq.EVENT_CONNECTED:
                     self.generation += 1
@@ -184,14 +232,22 @@ class Connection:
                 elif event == zmq.EVENT_DISCONNECTED:
                     if self._connected.is_set():
                         self._down_since = time.monotonic()
-                    self._connected.clear()
+                        self._connected = anyio.Event()  # anyio events do not clear
                     self._fail_all(ServerUnavailableError, "server disconnected")
-        except (asyncio.CancelledError, zmq.ZMQError):
+        except (anyio.ClosedResourceError, zmq.ZMQError):
+            return
+
+    async def _read_loop(self) -> None:
+        """Wait on the FD and drain; the FD is edge-triggered: see :meth:`_drain`."""
+        fd = self._fd
+        try:
+            while not self._closed:
+                await anyio.wait_readable(fd)
+                self._on_readable()
+        except (anyio.ClosedResourceError, OSError):
             return
 
     def _on_readable(self) -> None:
-        """The FD is edge-triggered and only says "events may have changed": see
-        :meth:`_drain`."""
         if self._closed:
             return
         try:
@@ -213,9 +269,8 @@ class Connection:
         while True:
             events = int(sock.getsockopt(_EVENTS))
             if events & _POLLOUT and self._writable:
-                for waiter in self._writable:
-                    if not waiter.done():
-                        waiter.set_result(None)
+                for room in self._writable:
+                    room.set()
                 self._writable.clear()
             if not events & _POLLIN:
                 return
@@ -224,10 +279,21 @@ class Connection:
             except zmq.Again:
                 # EVENTS was stale: look again on the next loop pass, not in a tight loop
                 # here, and not never (that could strand a reply as above).
-                if self._loop is not None:
-                    self._loop.call_soon(self._on_readable)
+                self._look_again()
                 return
             self._dispatch(frames)
+
+    def _look_again(self) -> None:
+        """Drain once more after a checkpoint (one such job at a time)."""
+        bg = self._bg
+        if bg is None or not bg.running or (self._recheck is not None
+                                            and not self._recheck.done()):
+            return
+        self._recheck = bg.start_soon(self._drain_after_checkpoint, name="lmkv-recheck")
+
+    async def _drain_after_checkpoint(self) -> None:
+        await anyio.lowlevel.checkpoint()
+        self._on_readable()
 
     def _dispatch(self, frames: Sequence[bytes]) -> None:
         if not frames:
@@ -246,14 +312,15 @@ class Connection:
                 return
             pending.late(reply)
             return
-        if pending.future.done():
+        if pending.slot.done():
             return
         try:
             reply = decode_reply(frames, expected_op=pending.op_frame)
         except ProtocolError as exc:
-            pending.future.set_exception(ProtocolError(exc.message, op=pending.op, server=self.url))
+            pending.slot.set_exception(ProtocolError(exc.message, op=pending.op,
+                                                     server=self.url))
             return
-        pending.future.set_result(reply)
+        pending.slot.set_result(reply)
 
     def fail_pending(self, message: str) -> None:
         """Fail every request awaiting a reply with :class:`ClosedError` (the socket stays)."""
@@ -264,10 +331,10 @@ class Connection:
         for key, pending in list(self._pending.items()):
             if pending.late is not None:
                 del self._pending[key]  # the peer that owed this reply is gone
-            elif not pending.future.done():
+            elif not pending.slot.done():
                 exc = (kind(message) if kind is ClosedError
                        else ServerUnavailableError(message, op=pending.op, server=self.url))
-                pending.future.set_exception(exc)
+                pending.slot.set_exception(exc)
 
     async def request(
         self,
@@ -278,11 +345,11 @@ class Connection:
         late_window: float = 0.0,
         request_id: str | None = None,
         grace_from: float | None = None,
-        sent: asyncio.Future[None] | None = None,
+        sent: Settable | None = None,
     ) -> Reply:
         """Send one request and await its reply within ``timeout`` seconds.
 
-        ``sent``, if given, is resolved once the request is on the socket (so a
+        ``sent``, if given, is set once the request is on the socket (so a
         caller can send a dependent request right behind it, in order).
 
         With ``on_late``, a request that times out stays registered for
@@ -303,69 +370,79 @@ class Connection:
                                          op=op, server=self.url, request_id=request_id)
         uid = next(self._uids)
         frames = encode_request(uid, req.op_id, req.payloads)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Reply] = loop.create_future()
+        slot = _Slot()
         key = frames[0]
-        self._pending[key] = _Pending(future, frames[1], op, started)
-        remaining = max(0.0, timeout - (time.monotonic() - started))
-        timer = loop.call_later(remaining, _expire, future)
+        self._pending[key] = _Pending(slot, frames[1], op, started)
         keep_for_late = False
         try:
-            try:
-                _send_frames(self._sock, frames)
-            except zmq.Again:
-                if not self._connected.is_set():  # no live connection (IMMEDIATE)
-                    raise ServerUnavailableError("not connected to the server", op=op,
-                                                 server=self.url, request_id=request_id) from None
-                # high-water mark reached: wait for room, within the deadline
-                if not await self._send_when_writable(frames, future):
-                    return await future  # the deadline passed or the peer went away first
-            except zmq.ZMQError as exc:
-                raise from_zmq_error(exc, op=op, server=self.url) from None
-            # Sent, at once or after waiting for room.
-            if sent is not None and not sent.done():
-                sent.set_result(None)
-            # A send through the sync view can consume the socket's edge-triggered
-            # readiness signal, so the reader might not wake: check for replies here.
-            self._drain()
-            return await future
-        except _Expired:
-            keep_for_late = on_late is not None and late_window > 0
-            raise ServerTimeoutError(
-                "no reply", op=op, server=self.url, request_id=request_id, timeout=timeout,
-                elapsed=time.monotonic() - started,
-            ) from None
+            with anyio.move_on_after(max(0.0, timeout - (time.monotonic() - started))):
+                try:
+                    _send_frames(self._sock, frames)
+                except zmq.Again:
+                    if not self._connected.is_set():  # no live connection (IMMEDIATE)
+                        raise ServerUnavailableError(
+                            "not connected to the server", op=op, server=self.url,
+                            request_id=request_id) from None
+                    # high-water mark reached: wait for room, within the deadline
+                    await self._send_when_writable(frames, slot)
+                except zmq.ZMQError as exc:
+                    raise from_zmq_error(exc, op=op, server=self.url) from None
+                if not slot.done():
+                    # Sent, at once or after waiting for room.
+                    if sent is not None:
+                        sent.set()
+                    # A send through the sync view can consume the socket's
+                    # edge-triggered readiness signal, so the reader might not wake:
+                    # check for replies here.
+                    self._drain()
+                    await slot.event.wait()
+            if not slot.done():  # the deadline passed first
+                keep_for_late = on_late is not None and late_window > 0
+                raise ServerTimeoutError(
+                    "no reply", op=op, server=self.url, request_id=request_id,
+                    timeout=timeout, elapsed=time.monotonic() - started,
+                )
+            return slot.get()
         except ServerUnavailableError as exc:
             raise with_context(exc, op=op, request_id=request_id) from None
         finally:
-            timer.cancel()
             if keep_for_late and key in self._pending:
                 self._pending[key].late = on_late
-                loop.call_later(late_window, self._pending.pop, key, None)
+                self._forget_later(key, late_window)
             else:
                 self._pending.pop(key, None)
 
-    async def _send_when_writable(self, frames: list[bytes], reply: asyncio.Future[Reply]
-                                  ) -> bool:
-        """Retry a send refused at the high-water mark until it goes out (True) or the
-        reply future is done first (deadline, disconnect: False)."""
-        loop = asyncio.get_running_loop()
+    def _forget_later(self, key: bytes, delay: float) -> None:
+        """Stop waiting for a late reply after ``delay`` seconds."""
+        bg = self._bg
+        if bg is None or not bg.running:
+            self._pending.pop(key, None)
+            return
+
+        async def forget() -> None:
+            await anyio.sleep(delay)
+            self._pending.pop(key, None)
+
+        bg.start_soon(forget, name="lmkv-late-window")
+
+    async def _send_when_writable(self, frames: list[bytes], reply: _Slot) -> None:
+        """Retry a send refused at the high-water mark until it goes out or the reply
+        slot is settled first (a disconnect; the deadline is the caller's scope)."""
         while not reply.done():
-            room: asyncio.Future[None] = loop.create_future()
+            room = anyio.Event()
             self._writable.append(room)
+            reply.wake = room
             # the FD may not signal again if room appeared before we registered
-            loop.call_soon(self._on_readable)
-            waiters: set[asyncio.Future[Any]] = {room, reply}
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            self._look_again()
+            await room.wait()
+            reply.wake = None
             if reply.done():
-                room.cancel()
-                return False
+                return
             try:
                 _send_frames(self._sock, frames)
-                return True
+                return
             except zmq.Again:
                 continue
-        return False
 
     async def probe(self, req: Request, *, timeout: float) -> object:
         """Send a detection request and return its decoded result."""
@@ -373,33 +450,22 @@ class Connection:
         return reply.result()
 
     def close(self) -> None:
-        """Fail pending requests, stop the tasks, close the sockets."""
+        """Fail pending requests, stop the jobs, close the sockets."""
         if self._closed:
             return
         self._closed = True
         self._fail_all(ClosedError, "transport closed")
-        if self._loop is not None and self._fd >= 0 and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
-        for waiter in self._writable:
-            waiter.cancel()
+        for room in self._writable:
+            room.set()
         self._writable.clear()
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for job in self._jobs:
+            job.cancel()
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-
-
-class _Expired(Exception):
-    pass
-
-
-def _expire(future: asyncio.Future[Reply]) -> None:
-    if not future.done():
-        future.set_exception(_Expired())
+        _zsock.close(self._monitor)
+        _zsock.close(self._sock)
 
 
 class Transport:
@@ -412,12 +478,12 @@ class Transport:
         # The process-wide context: one I/O thread for every transport, and no context
         # of ours to terminate. (A context dropped unclosed in a reference cycle would
         # block the event loop forever in its __del__ -> term().)
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._conns = [Connection(self._ctx, url, i) for i in range(sockets)]
         self._rr = itertools.count()
 
     @property
-    def zmq_context(self) -> zmq.asyncio.Context:
+    def zmq_context(self) -> zmq.Context[Any]:
         """The ZMQ context the sockets live in (for short-lived probe sockets)."""
         return self._ctx
 
@@ -431,10 +497,10 @@ class Transport:
         """Sum of reconnect generations; changes whenever any socket reconnects."""
         return sum(c.generation for c in self._conns)
 
-    def start(self) -> None:
-        """Connect every socket."""
+    def start(self, background: Background) -> None:
+        """Connect every socket; their readers and monitors are jobs of ``background``."""
         for conn in self._conns:
-            conn.start()
+            conn.start(background)
 
     async def wait_connected(self, timeout: float) -> bool:
         """Wait until every socket is connected."""
