@@ -4,6 +4,11 @@
 coordinator view (:mod:`.coordinator`); they report back to it through these
 protocols instead of importing ``fleet.py``, so the imports run one way only
 (fleet -> member, fleet -> coordinator -> this module).
+
+Their background work (health loops, event followers, audits, heartbeats, the
+coordinator's remapping) runs as jobs of the fleet's
+:class:`~._background.Background`, which they reach through ``background``: the
+fleet's close ends whatever of it is left.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, Protocol
 
+from ._background import Background
 from ._index import PrefixIndex
 from .http import ApiKey
 from .layout import KVLayout
@@ -29,6 +35,8 @@ OwnStoreListener = Callable[[str, Sequence[bytes], Sequence[int]], None]
 class FleetHost(Protocol):
     """The fleet as one of its members sees it (settings, the index, store reports)."""
 
+    @property
+    def background(self) -> Background: ...
     @property
     def model_name(self) -> str: ...
     @property
@@ -75,6 +83,8 @@ class _HasHttpUrl(Protocol):
 class CoordinatedFleet(Protocol):
     """The fleet as its coordinator view sees it (membership, settings)."""
 
+    @property
+    def background(self) -> Background: ...
     @property
     def model_name(self) -> str: ...
     @property

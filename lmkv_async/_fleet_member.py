@@ -12,25 +12,30 @@ started (replayed from cursor 0, nothing lost), no engine-driven store on it but
 the fleet's own (``/status kv_events.unbound_stores``, which counts every model's,
 since the server started), and a live stream and socket, checked by an audit no
 older than two audit intervals whose event position the index has reached.
+
+A member's background work (its health loop, its event follower, its audits, its
+light session's readers and heartbeat) runs as jobs of the fleet's
+:class:`~._background.Background`; closing the member cancels its jobs and waits
+for them (bounded).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import anyio
 import torch
 
 from . import _ops
+from ._background import Background, Job
 from ._fleet_host import FleetHost, MemberState, Registration
 from ._fleet_sync import IndexSync, OwnReplayStream
 from ._session import Session
 from ._shield import Once, finish
-from ._trio_bridge import hop, hop_cleanup
 from ._waits import wait_event
 from .context import AsyncKVContext, connect
 from .errors import (
@@ -56,7 +61,7 @@ log = logging.getLogger("lmkv_async.fleet")
 #: Lookup timeouts in a row that mark a member down (a disconnect does at once).
 DOWN_AFTER = 2
 _PROBE_TIMEOUT = 0.5
-#: How long closing a member may wait for its background tasks (they are cancelled).
+#: How long closing a member may wait for its background jobs (they are cancelled).
 _TASK_STOP_BUDGET = 2.0
 
 
@@ -74,13 +79,15 @@ def has_registration(status: Mapping[str, Any], model_name: str, world_size: int
 class _LightSession(Session):
     """A :class:`Session` for lookups only: no SHM mapping, and a registration only
     where the policy asks for one. Everything else (detection, RPCs, release steps,
-    teardown) is the base class's."""
+    teardown) is the base class's. Its jobs run in the fleet's ``background``."""
 
     def __init__(self, url: str, http_url: str, model_name: str, *, layout: KVLayout,
-                 timeout: float, api_key: ApiKey | None, registration: Registration) -> None:
+                 timeout: float, api_key: ApiKey | None, registration: Registration,
+                 background: Background) -> None:
         super().__init__(url, http_url, model_name, layout=layout, timeout=timeout,
                          transport="auto", sockets=1, shm_dir="/dev/shm",
-                         heartbeat_interval=None, prefault=False, api_key=api_key)
+                         heartbeat_interval=None, prefault=False, api_key=api_key,
+                         background=background)
         self._policy = registration
         self.light_registered = False
 
@@ -98,8 +105,8 @@ class _LightSession(Session):
             if self.light_registered:
                 interval = self.heartbeat_interval = min(10.0, (self.reap_timeout or 120) / 4)
                 if interval > 0:
-                    self._heartbeat = asyncio.create_task(self._heartbeat_loop(),
-                                                          name="lmkv-fleet-heartbeat")
+                    self._heartbeat = self.background.start_soon(self._heartbeat_loop,
+                                                                 name="lmkv-fleet-heartbeat")
         except BaseException:
             # Shielded: a caller's cancellation (the usual reason to be here) must not
             # leave the registration behind.
@@ -151,11 +158,12 @@ class FleetMember:
         self.in_flight = 0
         self.session: _LightSession | None = None
         self._ctx: AsyncKVContext | None = None
-        self._ctx_lock = asyncio.Lock()
+        self._ctx_lock = anyio.Lock()
         self._failures = 0
-        self._health: asyncio.Task[None] | None = None
-        self._follower: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._health: Job[None] | None = None
+        self._follower: Job[None] | None = None
+        #: wakes the health loop (an anyio.Event cannot be cleared: the loop replaces it)
+        self._wake = anyio.Event()
         self._closer = Once()
         #: the index bookkeeping: stream, audits, the fleet's own stores
         self.sync = IndexSync(fleet, self)
@@ -213,7 +221,7 @@ class FleetMember:
         f = self.fleet
         session = _LightSession(self.url, self.http_url, f.model_name, layout=f.layout,
                                 timeout=f.connect_timeout, api_key=f.api_key,
-                                registration=f.registration)
+                                registration=f.registration, background=f.background)
         await session.open()
         # No await between the open and this: a cancellation cannot lose the session.
         self.session = session
@@ -234,8 +242,19 @@ class FleetMember:
         else:
             self._mark_up()
         if self.state != "closed":
-            self._health = asyncio.create_task(self._health_loop(),
-                                               name=f"lmkv-fleet-{self.name}")
+            self._health = self._start(self._health_loop, name=f"lmkv-fleet-{self.name}")
+
+    def _start(self, fn: Callable[..., Awaitable[None]], *args: Any,
+               name: str) -> Job[None] | None:
+        """A job of the fleet's group; None once the group is closing (so is the member)."""
+        bg = self.fleet.background
+        if not bg.running:
+            return None
+        return bg.start_soon(fn, *args, name=name)
+
+    def _wake_up(self) -> None:
+        """Wake the health loop (an audit now, or the close)."""
+        self._wake.set()
 
     def _is_closed(self) -> bool:
         # A method, not an inline test: the state changes across awaits.
@@ -250,8 +269,8 @@ class FleetMember:
         s = self.session
         if self.fleet.events and s is not None and self._follower is None:
             if CAP_KV_EVENTS in s.capabilities:
-                self._follower = asyncio.create_task(self.sync.follow(self._wake),
-                                                     name=f"lmkv-events-{self.name}")
+                self._follower = self._start(self.sync.follow, self._wake_up,
+                                             name=f"lmkv-events-{self.name}")
             else:
                 self.sync.no_events = True
 
@@ -278,7 +297,7 @@ class FleetMember:
         delay = f.probe_backoff[0]
         while self.state != "closed":
             if self.state == "down":
-                await asyncio.sleep(delay)
+                await anyio.sleep(delay)
                 delay = min(delay * 2, f.probe_backoff[1])
                 try:
                     if self.session is None:
@@ -294,14 +313,15 @@ class FleetMember:
                 delay = f.probe_backoff[0]
                 self._mark_up()
                 continue
-            self._wake.clear()
+            # A fresh event (an anyio.Event cannot be cleared): a wake-up before this
+            # point is dropped, as clear() did.
+            self._wake = anyio.Event()
             await wait_event(self._wake, f.audit_interval)
             if self.state == "up" and self._follower is not None:
                 await self.sync.audit()
 
-    @hop_cleanup
     async def aclose(self) -> None:
-        """Stop the tasks, close the data-path context and the light session.
+        """Stop the member's jobs, close the data-path context and the light session.
 
         Shielded, bounded and idempotent: the caller's cancellation (a task's
         ``cancel()``, ``asyncio.timeout``, an anyio scope) does not cut the cleanup
@@ -312,12 +332,13 @@ class FleetMember:
     async def _teardown(self) -> None:
         self.state = "closed"
         self._wake.set()
-        tasks = [t for t in (self._health, self._follower, *self.sync.tasks()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            # Bounded: a task that ignores its cancellation is left behind, not awaited.
-            await asyncio.wait(tasks, timeout=_TASK_STOP_BUDGET)
+        jobs = {j for j in (self._health, self._follower, *self.sync.tasks()) if j is not None}
+        for job in jobs:
+            job.cancel()
+        if jobs:
+            # Bounded: a job that ignores its cancellation is left to the fleet's group
+            # (whose end cancels it again and waits), not awaited here.
+            await self.fleet.background.drain(jobs, _TASK_STOP_BUDGET)
         if self._ctx is not None:
             with contextlib.suppress(Exception):
                 await self._ctx.aclose()
@@ -327,7 +348,7 @@ class FleetMember:
 
     # ------------------------------------------------------------------ lookups
     async def _direct(self, toks: list[int], salt: str, n: int, deadline: float,
-                      release_gate: asyncio.Future[None] | None = None
+                      release_gate: anyio.Event | None = None
                       ) -> int | KVCacheError:
         """One lookup RPC sequence; failures are returned as values and update health."""
         s = self.session
@@ -353,7 +374,6 @@ class FleetMember:
         self._failures = 0
         return hit
 
-    @hop
     async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
                      timeout: float | None = None) -> int:
         """A direct lookup on this server (raises instead of returning the error)."""
@@ -370,7 +390,6 @@ class FleetMember:
         return result
 
     # ------------------------------------------------------------------ data path
-    @hop
     async def context(self) -> AsyncKVContext:
         """The full per-server :class:`AsyncKVContext` (opened on first call)."""
         if self.state == "closed":
@@ -388,7 +407,6 @@ class FleetMember:
                 self._ctx = ctx
             return self._ctx
 
-    @hop
     async def retrieve(self, tokens: Tokens, *, out: torch.Tensor | None = None,
                        cache_salt: str = "", timeout: float | None = None
                        ) -> torch.Tensor | None:
@@ -400,7 +418,6 @@ class FleetMember:
         finally:
             self.in_flight -= 1
 
-    @hop
     async def store(self, kv: torch.Tensor, tokens: Tokens, *, cache_salt: str = "",
                     timeout: float | None = None) -> StoreResult:
         """:meth:`AsyncKVContext.store` on this server, recorded in the fleet's index.

@@ -18,21 +18,26 @@ chunks the fleet itself wrote there (each of which the fleet indexed). That is
 what :attr:`IndexSync.synced` checks, at an audit no older than two audit
 intervals, whose log position the index has already applied. Anything else:
 the member is asked directly.
+
+Audits and re-indexing run as jobs of the fleet's :class:`~._background.Background`;
+the member's close cancels them (:meth:`IndexSync.tasks`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import anyio
+
 from . import _ops
+from ._background import Job
 from ._fleet_host import FleetHost, MemberState
 from ._session import Session
-from ._trio_bridge import hop
 from .errors import (
     KVCacheError,
     ServerTimeoutError,
@@ -98,7 +103,7 @@ class IndexSync:
         self.audited_at = 0.0
         #: when that audit's ``/status`` request was sent
         self.proof_started = 0.0
-        self._audit_task: asyncio.Task[None] | None = None
+        self._audit_task: Job[None] | None = None
         self._audit_task_started = 0.0
         #: when ``audit_seq`` was first seen (the log has not moved since)
         self._seq_since = 0.0
@@ -115,7 +120,7 @@ class IndexSync:
         self._own: OrderedDict[OwnKey, OwnRecord] = OrderedDict()
         self._verifying = 0
         self._removed_while_verifying: set[bytes] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[Job[None]] = set()
 
     # ------------------------------------------------------------------ the rule
     def _chunk_ok(self) -> bool:
@@ -162,15 +167,16 @@ class IndexSync:
         task = self._audit_task
         if task is None or task.done() or self._audit_task_started < since:
             self._audit_task_started = time.monotonic()
-            task = self._audit_task = asyncio.get_running_loop().create_task(self.audit())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._audit_task = self._spawn(self.audit, name="lmkv-fleet-audit")
+            if task is None:
+                return False  # the fleet is closing
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        # Shielded: one caller's timeout must not cancel the audit others wait for.
-        done, _ = await asyncio.wait({task}, timeout=left)
-        return bool(done) and self.proof_started >= since and self.synced
+        # A job of the fleet's: one caller's timeout (or cancellation) ends its wait,
+        # never the audit others wait for.
+        done = await task.wait_within(left)
+        return done and self.proof_started >= since and self.synced
 
     def _caught_up(self, stream: KVEventStream) -> bool:
         """Whether the index applied every record the server had logged at the last audit.
@@ -251,11 +257,12 @@ class IndexSync:
         self.proof_started = now if started is None else started
 
     # ------------------------------------------------------------------ the stream
-    async def follow(self, wake: asyncio.Event) -> None:
+    async def follow(self, wake: Callable[[], None]) -> None:
         """Feed the index from this server's KV-event stream, resubscribing on errors.
 
         A new subscription always starts at cursor 0 (the whole log: what the
-        server did before the fleet attached counts too).
+        server did before the fleet attached counts too). ``wake()`` asks the
+        member's health loop for an audit now (a new incarnation).
         """
         f = self.fleet
         s = self.member.session
@@ -285,7 +292,7 @@ class IndexSync:
             finally:
                 self.stream_live = self.stream_complete = False
                 await finish_close(stream)
-            await asyncio.sleep(delay)
+            await anyio.sleep(delay)
             delay = min(delay * 2, f.probe_backoff[1])
 
     def _no_stream(self) -> None:
@@ -293,7 +300,7 @@ class IndexSync:
         self.fleet.index.discard(self.member.name)  # never read for this member
         self._own.clear()
 
-    def apply(self, ev: KVEvent, wake: asyncio.Event | None = None) -> None:
+    def apply(self, ev: KVEvent, wake: Callable[[], None] | None = None) -> None:
         """Apply one stream event to the index and the proof."""
         index = self.fleet.index
         name = self.member.name
@@ -319,12 +326,12 @@ class IndexSync:
             self.foreign_stores = 0
             self._own.clear()
         elif ev.discard and self._own:
-            self._spawn(self._reindex_own())
+            self._spawn(self._reindex_own, name="lmkv-fleet-reindex")
         if ev.incarnation != self.incarnation:
             self.incarnation = ev.incarnation
             self.audited_incarnation = None
             if wake is not None:
-                wake.set()  # audit now, not at the next interval
+                wake()  # audit now, not at the next interval
         if ev.reason in ("start", "restart") or not ev.complete:
             self.stream_complete = ev.complete
         # "resumed": nothing missed; completeness stays what it was
@@ -380,22 +387,29 @@ class IndexSync:
             if not self._verifying:
                 self._removed_while_verifying = set()
 
-    # ------------------------------------------------------------------ tasks
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    # ------------------------------------------------------------------ jobs
+    def _spawn(self, fn: Callable[[], Awaitable[None]], *, name: str) -> Job[None] | None:
+        """A job of the fleet's group that the member's close stops; None once the
+        group is closing (nothing would own it)."""
+        bg = self.fleet.background
+        if not bg.running:
+            return None
+        job = bg.start_soon(fn, name=f"{name}-{self.member.name}")
+        self._tasks.add(job)
+        job.add_done_callback(self._tasks.discard)
+        return job
 
-    def tasks(self) -> list[asyncio.Task[None]]:
-        """Background tasks to stop when the member closes."""
+    def tasks(self) -> list[Job[None]]:
+        """Background jobs to stop when the member closes."""
         return list(self._tasks)
 
 
 async def finish_close(stream: KVEventStream) -> None:
     """Close a stream even when the follower is being cancelled (its cancel frame
-    ends the server's subscription)."""
-    with contextlib.suppress(Exception):
-        await asyncio.shield(stream.aclose())
+    ends the server's subscription): shielded, so the follower ends only once it is
+    closed (the close is bounded)."""
+    with contextlib.suppress(Exception), anyio.CancelScope(shield=True):
+        await stream.aclose()
 
 
 class _FollowStream(KVEventStream):
@@ -419,7 +433,6 @@ class OwnReplayStream(KVEventStream):
         self._owner = sync
         self._replay: list[KVStored] = []
 
-    @hop  # the override replaces KVEventStream.next's own hop: it awaits lookups too
     async def next(self) -> KVEvent:
         if self._replay:
             return self._replay.pop(0)

@@ -2,19 +2,20 @@
 
 The block opens the retrieve sequence up to the copy (:func:`._ops.open_view`),
 hands out a :class:`~.view.RetrieveView` over the slots, and ends the hold when it
-exits by any path; the release steps run in the hold's tracked task.
+exits by any path; the release steps run in the hold's tracked job.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from types import TracebackType
 
+import anyio
+
 from . import _ops
+from ._background import Job
 from ._session import Session
-from ._trio_bridge import hop, hop_cleanup
 from .errors import InvalidInputError
 from .memory import Region
 from .metrics import OpStats
@@ -37,9 +38,9 @@ class ViewBlock:
         self._deadline = deadline
         self._hold: _ops.ViewHold | None = None
         self._view: RetrieveView | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        #: the safe-hold warning: a job of the session's group that sleeps, then warns
+        self._timer: Job[None] | None = None
 
-    @hop
     async def __aenter__(self) -> RetrieveView:
         if self._hold is not None:
             raise InvalidInputError("a retrieve_view block cannot be entered twice")
@@ -66,14 +67,25 @@ class ViewBlock:
         if self._hold is not None:
             # aclose() ends open views (and then unmaps the pool): the tensors must
             # raise from then on, not touch unmapped memory
-            self._hold.on_end.append(lambda: view._close(
+            self._hold.on_end.append(lambda: self._end(
                 "the context was closed while the retrieve_view block was running"))
-        if chunks:
+        if chunks and s.background.running:
+            # Not s.spawn(): close must not wait for a timer. The group's end cancels it
+            # if the block outlives the context.
             delay = max(0.0, view.safe_hold_s - view.held_s)
-            self._timer = asyncio.get_running_loop().call_later(delay, self._warn_long_hold)
+            self._timer = s.background.start_soon(self._warn_long_hold, delay,
+                                                  name="lmkv-view-hold-timer")
         return view
 
-    def _warn_long_hold(self) -> None:
+    def _end(self, reason: str) -> None:
+        """Stop the timer and close the view (its tensors raise from now on)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._view is not None:
+            self._view._close(reason)
+
+    async def _warn_long_hold(self, delay: float) -> None:
+        await anyio.sleep(delay)
         view = self._view
         if view is not None and not view.closed:
             log.warning(
@@ -82,7 +94,6 @@ class ViewBlock:
                 "raise ViewClosedError once the TTL runs out", view.held_s, view.safe_hold_s,
                 view.read_ttl)
 
-    @hop_cleanup
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -90,11 +101,8 @@ class ViewBlock:
         tb: TracebackType | None,
     ) -> None:
         # Synchronous on purpose: nothing here can be interrupted by a cancellation,
-        # and the release steps run in the hold's (tracked, shielded) task.
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._view is not None:
-            self._view._close("the retrieve_view block has ended: the server's read lock is "
-                              "released and the slot memory may be reused")
+        # and the release steps run in the hold's (tracked, shielded) job.
+        self._end("the retrieve_view block has ended: the server's read lock is "
+                  "released and the slot memory may be reused")
         if self._hold is not None:
             self._hold.release()

@@ -27,15 +27,16 @@ servers' key goes only to configured or allowed servers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import anyio
 import httpx
 
+from ._background import Job
 from ._fleet_host import CoordinatedFleet
 from .errors import (
     AuthenticationError,
@@ -183,7 +184,8 @@ class FleetCoordinator:
         self.client = client
         #: coordinator instance_id -> member name
         self.names: dict[str, str] = {}
-        self._remap: asyncio.Task[None] | None = None
+        #: the background mapping, a job of the fleet's group
+        self._remap: Job[None] | None = None
         self._last_remap = 0.0
 
     def mapped(self) -> list[str]:
@@ -203,8 +205,11 @@ class FleetCoordinator:
             return
         if time.monotonic() - self._last_remap < self.REMAP_EVERY:
             return
+        bg = self.fleet.background
+        if not bg.running:
+            return  # the fleet is closing
         self._last_remap = time.monotonic()
-        self._remap = asyncio.get_running_loop().create_task(self.map_members())
+        self._remap = bg.start_soon(self.map_members, name="lmkv-coordinator-remap")
 
     async def lookup(self, toks: list[int], salt: str, deadline: float) -> dict[str, int]:
         """Prefix length in tokens per member name, from the directory."""
@@ -234,7 +239,7 @@ class FleetCoordinator:
                 log.debug("cannot read /config of %s: %s", name, exc)
                 continue
             finally:
-                await http.aclose()
+                await _close_http(http)
             inst = (config.get("mp") or {}).get("instance_id")
             if inst:
                 self.names[str(inst)] = name
@@ -243,7 +248,7 @@ class FleetCoordinator:
         """Stop the background mapping and close the HTTP client."""
         if self._remap is not None:
             self._remap.cancel()
-            await asyncio.gather(self._remap, return_exceptions=True)
+            await self._remap.wait()
         await self.client.aclose()
 
 
@@ -267,6 +272,18 @@ async def attach_coordinator(fleet: CoordinatedFleet, url: str,
     client = CoordinatorClient(url, timeout=fleet.connect_timeout)
     coord = FleetCoordinator(fleet, client)
     try:
+        await _discover(coord, discover)
+    except BaseException:
+        # A cancelled open: nobody else holds the coordinator view to close it.
+        with anyio.CancelScope(shield=True):
+            await coord.aclose()
+        raise
+    return coord
+
+
+async def _discover(coord: FleetCoordinator, discover: bool | frozenset[str]) -> None:
+    fleet, client = coord.fleet, coord.client
+    try:
         instances = await client.instances()
     except Exception as exc:
         log.warning("coordinator %s: %s; using the configured servers only", client.url, exc)
@@ -285,7 +302,7 @@ async def attach_coordinator(fleet: CoordinatedFleet, url: str,
             log.warning("cannot read /config of discovered %s: %s", inst, exc)
             continue
         finally:
-            await http.aclose()
+            await _close_http(http)
         port = mp.get("port")
         host = mp.get("host") or inst.ip
         if host in ("0.0.0.0", "::", ""):
@@ -294,7 +311,13 @@ async def attach_coordinator(fleet: CoordinatedFleet, url: str,
             fleet.add_member(inst.instance_id, f"tcp://{host}:{port}", inst.http_url)
             coord.names[inst.instance_id] = inst.instance_id
     await coord.map_members()
-    return coord
+
+
+async def _close_http(http: HttpClient) -> None:
+    """Close a short-lived client also when the caller is being cancelled (anyio's
+    cancellation is level-triggered: the close's own awaits would raise again)."""
+    with anyio.CancelScope(shield=True):
+        await http.aclose()
 
 
 def _host_port(url: str) -> tuple[str, int]:

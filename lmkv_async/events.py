@@ -23,11 +23,16 @@ answered with a fresh subscription from cursor 0 and ``KVResync("restart")``.
 Ending: :meth:`KVEventStream.aclose` (also ``async with``, breaking out of
 ``async for``, or cancelling the consumer) sends the ``cancel`` control frame
 and closes the socket. Nothing here blocks the event loop.
+
+Backend-neutral (asyncio and trio, through anyio): the stream's sockets are
+plain ZMQ sockets whose file descriptors the consumer's own task waits on
+(``anyio.wait_readable``), so the stream starts no task of its own: everything
+happens inside :meth:`KVEventStream.next`, in the task that calls it. Call it
+from one task at a time (trio allows one waiter per descriptor).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import secrets
@@ -35,13 +40,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
+import anyio
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ._trio_bridge import hop, hop_cleanup
+from . import _zsock
 from .errors import (
     ClosedError,
     InvalidInputError,
@@ -71,6 +76,36 @@ _MONITOR = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 #: After the server ends a stream by itself, wait this long before resubscribing
 #: (doubling up to the max), so a server that keeps ending it is not hammered.
 _RESUBSCRIBE_BACKOFF = (0.05, 2.0)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+async def _poll(sock: zmq.Socket[bytes], timeout: float) -> bool:
+    """Whether ``sock`` has a message, waiting up to ``timeout`` seconds for one.
+
+    ZMQ's descriptor is edge-triggered: reading ``ZMQ_EVENTS`` processes the
+    socket's pending commands (and resets the signal), so the wait comes right
+    after that read, with no other use of the socket in between.
+    """
+    if int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        return True
+    with anyio.move_on_after(max(0.0, timeout)):
+        await anyio.wait_readable(int(sock.getsockopt(zmq.FD)))
+    return bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
+
+
+def _close(sock: zmq.Socket[bytes]) -> None:
+    """Wake a task waiting on the socket's FD (it gets ``ClosedResourceError``), then
+    close with the socket's own linger (:func:`._zsock.close` forces 0, which would
+    drop the cancel frame still queued)."""
+    if sock.closed:
+        return
+    try:
+        anyio.notify_closing(int(sock.getsockopt(zmq.FD)))
+    except (zmq.ZMQError, RuntimeError):
+        pass  # no event loop (interpreter exit), or no descriptor: nobody is waiting
+    sock.close()
 
 
 def require_kv_events(dialect: Dialect, capabilities: frozenset[str], server: str,
@@ -112,7 +147,7 @@ class KVEventStream:
         timeout: float = 10.0,
         heartbeat_interval: float = 10.0,
         resume: bool = True,
-        zmq_context: zmq.asyncio.Context | None = None,
+        zmq_context: zmq.Context[Any] | None = None,
     ) -> None:
         if isinstance(cursor, bool) or not isinstance(cursor, int) or cursor < 0:
             raise InvalidInputError("cursor must be an int >= 0")
@@ -131,9 +166,10 @@ class KVEventStream:
         self._timeout = timeout
         self._heartbeat = heartbeat_interval
         self._resume = resume
-        self._ctx = zmq_context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        # The process-wide context (the transport's too): no context of ours to terminate.
+        self._ctx: zmq.Context[Any] = zmq_context or zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         self._uids = itertools.count(1)
         self._stream_uid: bytes | None = None
         self._stream_uid_int = 0
@@ -195,18 +231,27 @@ class KVEventStream:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
-    @hop
     async def next(self) -> KVEvent:
-        """The next event (waits for one; cancellation-safe)."""
+        """The next event (waits for one; cancellation-safe).
+
+        Raises :class:`~lmkv_async.errors.ClosedError` once the stream is closed,
+        also when :meth:`aclose` is called from another task while this one waits.
+        """
         if self._closed:
             raise ClosedError("the KV-event stream is closed")
-        while not self._pending:
-            if not self._started:
-                self._open_socket()
-                self._started = True
-                await self._subscribe()
-                continue
-            await self._receive_next()
+        try:
+            while not self._pending:
+                if not self._started:
+                    self._open_socket()
+                    self._started = True
+                    await self._subscribe()
+                    continue
+                await self._receive_next()
+        except (anyio.ClosedResourceError, zmq.ZMQError):
+            if not self._closed:
+                raise
+            # aclose() from another task closed the sockets under our wait
+            raise ClosedError("the KV-event stream was closed") from None
         ev = self._pending.popleft()
         if isinstance(ev, (KVStored, KVRemoved)):
             self.records += 1
@@ -219,23 +264,27 @@ class KVEventStream:
 
     # ------------------------------------------------------------------ internals
     def _open_socket(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
+        # Plain sockets (zmq.Socket(ctx, ...), never ctx.socket(): a zmq.asyncio
+        # context passed in would make asyncio sockets), awaited through anyio.
+        sock: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 500)  # lets the cancel frame out after close
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._monitor = sock.get_monitor_socket(_MONITOR)
-        # Plain views for non-blocking sends and receives (an asyncio socket would
-        # hand back futures nobody awaits).
-        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        self._msync: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
+        monitor_addr = f"inproc://lmkv-events-monitor-{id(self):x}-{self._sub_id:x}"
+        sock.monitor(monitor_addr, _MONITOR)
+        monitor: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(monitor_addr)
+        self._monitor = monitor
         sock.connect(self.url)
         self._sock = sock
 
     def _poll_monitor(self) -> None:
         """Apply connect/disconnect events that have arrived (non-blocking)."""
+        assert self._monitor is not None
         while True:
             try:
-                frames = self._msync.recv_multipart(zmq.NOBLOCK)
+                frames = self._monitor.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             event = parse_monitor_message(frames)["event"]
@@ -246,9 +295,15 @@ class KVEventStream:
                 self._connected = False
                 self._disconnect_seen = True
 
+    def _live(self) -> zmq.Socket[bytes]:
+        """The stream's socket; :class:`ClosedError` once :meth:`aclose` ran (it may
+        run in another task while this one waits)."""
+        if self._closed or self._sock is None:
+            raise ClosedError("the KV-event stream was closed")
+        return self._sock
+
     async def _send(self, frames: list[bytes]) -> None:
-        assert self._sock is not None
-        await self._sock.send_multipart(frames)
+        await _zsock.send_multipart(self._live(), frames)
 
     async def _subscribe(self) -> None:
         """Open a subscription from the cursor and queue what its first batch says."""
@@ -322,7 +377,7 @@ class KVEventStream:
         if self._sock is None:
             return
         try:
-            self._sync.send_multipart(frames, zmq.NOBLOCK)
+            self._sock.send_multipart(frames, _NOBLOCK)
         except zmq.ZMQError as exc:  # pragma: no cover - a DEALER with room always sends
             log.debug("control frame not sent: %s", exc)
 
@@ -331,10 +386,9 @@ class KVEventStream:
 
         Returns None when the stream ended or the connection was lost.
         """
-        sock = self._sock
-        assert sock is not None
         deadline = None if first_timeout is None else time.monotonic() + first_timeout
         while True:
+            sock = self._live()
             self._poll_monitor()
             if self._disconnect_seen:
                 return None
@@ -351,9 +405,12 @@ class KVEventStream:
                     raise ServerTimeoutError("no KV-event batch", op="subscribe_kv_events",
                                              server=self.url, timeout=first_timeout)
                 wait = min(wait, left)
-            if not await sock.poll(timeout=int(wait * 1000) + 1):
+            if not await _poll(sock, wait):
                 continue
-            frames = await sock.recv_multipart()
+            try:
+                frames = sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                continue
             if not frames or bytes(frames[0]) != self._stream_uid:
                 continue  # a ping reply, or a reply to an earlier subscription
             if is_stream_end(frames):
@@ -388,7 +445,7 @@ class KVEventStream:
                 if not self._resume:
                     await self.aclose()
                     raise ClosedError("the server ended the KV-event stream")
-                await asyncio.sleep(_RESUBSCRIBE_BACKOFF[0])
+                await anyio.sleep(_RESUBSCRIBE_BACKOFF[0])
                 await self._subscribe()
                 return
         if self._disconnect_seen:
@@ -410,13 +467,14 @@ class KVEventStream:
         """Block until the socket is connected again (pending events are kept)."""
         delay = _RESUBSCRIBE_BACKOFF[0]
         while True:
+            self._live()
             self._poll_monitor()
             if self._connected and not self._disconnect_seen:
                 return
             self._disconnect_seen = False
             mon = self._monitor
             assert mon is not None
-            await mon.poll(timeout=int(delay * 1000) + 1)
+            await _poll(mon, delay)
             delay = min(delay * 2, _RESUBSCRIBE_BACKOFF[1])
 
     async def _cancel_stream(self) -> None:
@@ -424,9 +482,12 @@ class KVEventStream:
             self._send_now(control_frames(self._stream_uid_int, "cancel"))
         self._stream_uid = None
 
-    @hop_cleanup
     async def aclose(self) -> None:
-        """Cancel the subscription and close the socket (idempotent, never blocks)."""
+        """Cancel the subscription and close the socket (idempotent, never blocks).
+
+        It never yields to the event loop either, so a cancelled caller (whose
+        scope would raise at the first checkpoint) still closes everything.
+        """
         if self._closed:
             return
         self._closed = True
@@ -438,6 +499,6 @@ class KVEventStream:
             except zmq.ZMQError:
                 pass
             if self._monitor is not None:
-                self._monitor.close(linger=0)
-            self._sock.close()  # linger: the cancel frame still goes out
+                _close(self._monitor)
+            _close(self._sock)  # linger: the cancel frame still goes out
             self._sock = None

@@ -27,19 +27,29 @@ which is how a frozen server (no RPC goes to it in index mode) is noticed.
 
 Data path: ``fleet[name]`` is a :class:`FleetMember`; its ``retrieve``/``store``
 open a full :class:`~lmkv_async.AsyncKVContext` (registration, SHM) on first use.
+
+Background work (joins, health probes and audits, event followers, the light
+sessions' readers and heartbeats, direct lookups whose caller stopped waiting)
+runs in the fleet's own task group (:class:`~._background.Background`), the same
+on asyncio and trio: ``async with Fleet(...)`` enters it in the caller's task,
+``await fleet.open()`` hosts it in a task of its own, and :meth:`Fleet.aclose`
+ends it.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal, TypeVar
+
+import anyio
 
 from . import _loop_thread
+from ._background import Background, Job
 from ._fleet_host import MemberState, OwnStoreListener, Registration, Source
 from ._fleet_member import (  # noqa: F401  (re-exported)
     DOWN_AFTER,
@@ -49,7 +59,6 @@ from ._fleet_member import (  # noqa: F401  (re-exported)
 )
 from ._index import PrefixIndex
 from ._shield import Once
-from ._trio_bridge import hop, hop_cleanup, on_trio
 from .coordinator import FleetCoordinator, attach_coordinator
 from .errors import (
     ClosedError,
@@ -67,6 +76,48 @@ from .wire.keys import token_bytes
 __all__ = ["DOWN_AFTER", "Fleet", "FleetLookup", "FleetMember", "MemberState"]
 
 log = logging.getLogger("lmkv_async.fleet")
+
+T = TypeVar("T")
+
+
+async def _gather(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run ``calls`` concurrently in a task group of the caller's; their results in order.
+
+    Like ``asyncio.gather`` without ``return_exceptions``: the first error (in time) is
+    raised, as it is (never wrapped in an ExceptionGroup), but only once every call
+    has ended (a failed call does not cancel the others). The caller's cancellation
+    cancels them all.
+    """
+    results: list[Any] = [None] * len(calls)
+    errors: list[Exception] = []
+
+    async def one(i: int, call: Callable[[], Awaitable[T]]) -> None:
+        try:
+            results[i] = await call()
+        except Exception as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i, call in enumerate(calls):
+            tg.start_soon(one, i, call)
+    if errors:
+        raise errors[0]
+    return results
+
+
+async def _run_all(calls: list[Callable[[], Awaitable[object]]]) -> None:
+    """Run ``calls`` concurrently to their ends, their errors dropped (``asyncio.gather``
+    with ``return_exceptions=True``, results unused)."""
+
+    async def one(call: Callable[[], Awaitable[object]]) -> None:
+        try:
+            await call()
+        except Exception:
+            log.debug("fleet cleanup step failed", exc_info=True)
+
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(one, call)
 
 
 class FleetLookup(dict[str, "int | KVCacheError"]):
@@ -195,7 +246,12 @@ class Fleet:
         #: (the vLLM-event publisher announces them: they emit no LMCache event)
         self._own_store_listeners: list[OwnStoreListener] = []
         self._state: Literal["new", "open", "closed"] = "new"
-        self._late_joins: set[asyncio.Task[None]] = set()
+        #: the fleet's task group: entered by ``async with``, else hosted by open()
+        self._background = Background(f"fleet {model_name}")
+        self._hosts_background = False
+        self._entered = False
+        #: members' joins still running (open's and add_member's)
+        self._joins: set[Job[None]] = set()
         self._closer = Once()
         self.coordinator: FleetCoordinator | None = None
 
@@ -204,23 +260,34 @@ class Fleet:
         return f"<Fleet {self.model_name!r} {up}/{len(self._members)} up, {self._state}>"
 
     # ------------------------------------------------------------------ lifecycle
-    @hop
+    @property
+    def background(self) -> Background:
+        """The fleet's task group (members, their sessions and the coordinator view run
+        their background work in it)."""
+        return self._background
+
     async def open(self) -> Fleet:
         """Join every member concurrently (each within ``connect_timeout``).
 
         Members that cannot be reached are marked down and keep being probed;
-        this only fails for bad arguments.
+        this only fails for bad arguments. Without ``async with``, the fleet's
+        task group is hosted in a task of its own (a trio system task under trio)
+        until :meth:`aclose`.
         """
         if self._state != "new":
             return self
-        _loop_thread.track_if_on_loop(self)  # opened for a trio caller: closed at exit
+        _loop_thread.track_if_on_loop(self)  # opened for the blocking facade: closed at exit
         try:
+            if not self._background.running:
+                # Set first: a host that a cancellation interrupted is still ended by aclose.
+                self._hosts_background = True
+                await self._background.host()
             if self.coordinator_url:
                 # Before the state is "open": members it adds are joined below, once.
                 self.coordinator = await attach_coordinator(self, self.coordinator_url,
                                                             self.discover)
             self._state = "open"
-            await asyncio.gather(*(m._join() for m in self._members.values()))
+            await _gather([m._join for m in self._members.values()])
         except BaseException:
             # Cancelled while opening (``async with`` then never calls __aexit__):
             # close what joined, shielded.
@@ -233,7 +300,6 @@ class Fleet:
         """The HTTP API key (an :class:`~lmkv_async.http.ApiKey`: it never shows itself)."""
         return self._api_key
 
-    @hop_cleanup
     async def aclose(self) -> None:
         """Close every member: no lock, session or registration stays on any server.
 
@@ -248,21 +314,41 @@ class Fleet:
         self._state = "closed"
         for member in self._members.values():
             member.state = "closed"  # joins still running stop at their next step
-        for task in list(self._late_joins):
-            task.cancel()
-        if self._late_joins:
-            await asyncio.wait(list(self._late_joins), timeout=self.connect_timeout)
+        joins = set(self._joins)
+        for job in joins:
+            job.cancel()
+        if joins:
+            # Bounded: a join that ignores its cancellation is left to the group's end.
+            await self._background.drain(joins, self.connect_timeout)
         if self.coordinator is not None:
-            await asyncio.gather(self.coordinator.aclose(), return_exceptions=True)
-        await asyncio.gather(*(m.aclose() for m in self._members.values()),
-                             return_exceptions=True)
+            await _run_all([self.coordinator.aclose])
+        await _run_all([m.aclose for m in self._members.values()])
+        if self._hosts_background:
+            # Cancels what is left (nothing, normally) and waits until the host ended.
+            await self._background.aclose()
 
     async def __aenter__(self) -> Fleet:
-        return await self.open()
+        """Enter the fleet's task group in the caller's task, then :meth:`open`."""
+        if self._state != "new" or self._background.running:
+            return await self.open()  # already open (or closed): no group of ours to enter
+        await self._background.__aenter__()
+        self._entered = True
+        try:
+            return await self.open()
+        except BaseException as exc:
+            # open() closed what it had joined; the group has nothing left but to end
+            self._entered = False
+            await self._background.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        finally:
+            if self._entered:
+                self._entered = False
+                await self._background.__aexit__(exc_type, exc, tb)
 
     def add_member(self, name: str, url: str, http_url: str) -> FleetMember:
         """Add a server (before :meth:`open`, or later: it then joins in the background)."""
@@ -270,16 +356,12 @@ class Fleet:
             raise InvalidInputError(f"fleet already has a member named {name!r}")
         if self._state == "closed":
             raise ClosedError("fleet is closed")
-        if self._state == "open" and on_trio():
-            # the fleet lives on the client loop: add (and start the join) there; this
-            # blocks the trio thread only for the bookkeeping, not for the join
-            return _loop_thread.portal().call(self.add_member, name, url, http_url)
         member = FleetMember(self, name, url, http_url)
         self._members[name] = member
         if self._state == "open":
-            task = asyncio.get_running_loop().create_task(member._join())
-            self._late_joins.add(task)
-            task.add_done_callback(self._late_joins.discard)
+            job = self._background.start_soon(member._join, name=f"lmkv-fleet-join-{name}")
+            self._joins.add(job)
+            job.add_done_callback(self._joins.discard)
         return member
 
     # ------------------------------------------------------------------ members
@@ -301,7 +383,6 @@ class Fleet:
         return len(self._members)
 
     # ------------------------------------------------------------------ lookups
-    @hop
     async def lookup(self, tokens: Tokens, *, cache_salt: str = "",
                      timeout: float | None = None,
                      source: Literal["auto", "lookup", "index", "coordinator"] = "auto",
@@ -354,9 +435,12 @@ class Fleet:
                             out[name], out.sources[name] = answers.get(name, 0), "coordinator"
             coord.remap_soon()  # members the coordinator did not know yet
             source = "auto"  # the rest: as usual (a member the directory cannot speak for)
-        direct: dict[str, asyncio.Task[int | KVCacheError]] = {}
+        # Direct lookups run as jobs of the fleet's group: the deadline (or the caller's
+        # cancellation) abandons the wait for one, not the sequence, which goes on to
+        # its release steps (_ops).
+        direct: dict[str, Job[int | KVCacheError]] = {}
         # Release steps of the direct lookups wait until all of them are answered.
-        release_gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        release_gate = anyio.Event()
         candidates = []
         for name, member in self._members.items():
             if name in out:
@@ -373,16 +457,20 @@ class Fleet:
                     server=member.url)
                 out.sources[name] = "index"
             else:
-                direct[name] = asyncio.ensure_future(
-                    member._direct(toks, salt, n, deadline, release_gate))
+                direct[name] = self._direct_job(member, toks, salt, n, deadline, release_gate)
         synced = []
         if candidates:
             # By default the index answers only with proof from an audit sent during
             # this call (shared by concurrent calls), within half the time left: a
             # member it cannot prove is then asked directly.
             prove_by = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
-            proofs = await asyncio.gather(*(self._members[k].sync.prove(started, prove_by)
-                                            for k in candidates))
+            try:
+                proofs = await _gather([functools.partial(self._members[k].sync.prove,
+                                                          started, prove_by)
+                                        for k in candidates])
+            except BaseException:
+                self._abandon(direct, release_gate)
+                raise
             for name, ok in zip(candidates, proofs, strict=True):
                 member = self._members[name]
                 if ok and member.connected:
@@ -393,28 +481,29 @@ class Fleet:
                         server=member.url)
                     out.sources[name] = "index"
                 else:
-                    direct[name] = asyncio.ensure_future(
-                        member._direct(toks, salt, n, deadline, release_gate))
+                    direct[name] = self._direct_job(member, toks, salt, n, deadline,
+                                                    release_gate)
         if synced:
             packed = token_bytes(toks[:n])
             for name, chunks in self._index.longest(packed, n // C, salt, synced).items():
                 out[name], out.sources[name] = chunks * C, "index"
         if direct:
             try:
-                done, _ = await asyncio.wait(direct.values(),
-                                             timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.CancelledError:
-                for task in direct.values():
-                    task.cancel()  # their release steps still run (shielded in _ops)
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                    for job in direct.values():
+                        await job.wait()
+            except BaseException:
+                self._abandon(direct, release_gate)
                 raise
-            finally:
-                release_gate.set_result(None)
-            for name, task in direct.items():
+            release_gate.set()
+            for name, job in direct.items():
                 out.sources[name] = "lookup"
-                if task in done:
-                    out[name] = task.result()
+                if job.done():
+                    if job.cancelled():  # the fleet's close ended it
+                        raise ClosedError("the fleet was closed while the lookup was in flight")
+                    out[name] = job.result()
                 else:
-                    task.cancel()  # the sequence's release steps still run (shielded)
+                    job.cancel()  # the sequence's release steps still run (_ops)
                     late = ServerTimeoutError("no answer within the fleet deadline",
                                               op="lookup", server=self._members[name].url,
                                               timeout=t)
@@ -427,7 +516,20 @@ class Fleet:
             ordered.sources[name] = out.sources[name]
         return ordered
 
-    @hop
+    def _direct_job(self, member: FleetMember, toks: list[int], salt: str, n: int,
+                    deadline: float, release_gate: anyio.Event) -> Job[int | KVCacheError]:
+        return self._background.start_soon(member._direct, toks, salt, n, deadline,
+                                           release_gate, name=f"lmkv-fleet-lookup-{member.name}")
+
+    @staticmethod
+    def _abandon(direct: Mapping[str, Job[int | KVCacheError]],
+                 release_gate: anyio.Event) -> None:
+        """The caller was cancelled: stop waiting for the direct lookups (their release
+        steps still run, in _ops) and let those release steps go."""
+        for job in direct.values():
+            job.cancel()
+        release_gate.set()
+
     async def best(self, tokens: Tokens, *, cache_salt: str = "",
                    timeout: float | None = None,
                    source: Literal["auto", "lookup", "index", "coordinator"] = "auto",

@@ -9,7 +9,8 @@ operation. For each operation name (``"store"``, ``"retrieve"``,
   exception's class name (``"ServerTimeoutError"``, ...);
 * ``timeouts``: calls that raised a :class:`TimeoutError` (every
   :class:`~lmkv_async.ServerTimeoutError` is one);
-* ``cancelled``: calls whose caller was cancelled (not counted as errors);
+* ``cancelled``: calls whose caller was cancelled (not counted as errors), on
+  asyncio or trio;
 * ``bytes``: KV bytes moved by successful calls;
 * ``in_flight``: calls running now (:meth:`OpStats.in_flight`);
 * ``latency``: a histogram over fixed, log-spaced buckets
@@ -41,6 +42,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -57,6 +59,18 @@ __all__ = [
 #: Upper bounds (seconds, inclusive) of the latency buckets: 100 us to 100 s,
 #: four per decade (ratio ~1.78). A last, unbounded bucket catches the rest.
 BUCKET_BOUNDS: tuple[float, ...] = tuple(10.0 ** (e / 4) for e in range(-16, 9))
+
+def _is_cancellation(error: BaseException) -> bool:
+    """Whether ``error`` is a cancellation of either backend: asyncio's
+    ``CancelledError`` or trio's ``Cancelled`` (looked up only once trio is loaded,
+    so recording never imports it). Not ``anyio.get_cancelled_exc_class()``: that
+    needs a running event loop, and :meth:`OpStats.record` may be called from a
+    thread."""
+    if isinstance(error, asyncio.CancelledError):
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and isinstance(error, trio.Cancelled)
+
 
 #: Called after every record: ``listener(op, seconds, nbytes, error)``.
 Listener = Callable[[str, float, int, "BaseException | None"], None]
@@ -216,8 +230,8 @@ class OpStats:
         """Record one finished call of ``op`` that took ``seconds``.
 
         ``nbytes`` counts only when ``error`` is None. A cancellation
-        (:class:`asyncio.CancelledError`) counts as ``cancelled``, not as an
-        error; a :class:`TimeoutError` counts as an error and a timeout.
+        (:class:`asyncio.CancelledError`, or ``trio.Cancelled`` under trio) counts
+        as ``cancelled``, not as an error; a :class:`TimeoutError` counts as an error and a timeout.
         Listeners (:meth:`add_listener`) are called after the lock is released.
         """
         with self._lock:
@@ -226,7 +240,7 @@ class OpStats:
             entry.latency.observe(seconds)
             if error is None:
                 entry.bytes += max(0, int(nbytes))
-            elif isinstance(error, asyncio.CancelledError):
+            elif _is_cancellation(error):
                 entry.cancelled += 1
             else:
                 entry.errors += 1

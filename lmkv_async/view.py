@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from . import kernel
-from ._trio_bridge import hop
 from .errors import InvalidInputError, ViewClosedError
 from .memory import Region, offload
 
@@ -216,7 +215,6 @@ class RetrieveView:
         t = torch.frombuffer(buf, dtype=torch.uint8).view(self._dtype).view(self._shape)
         return _guarded(t, self._guard)
 
-    @hop
     async def copy_to(self, out: torch.Tensor) -> torch.Tensor:
         """Copy the hit into ``out`` ``[P, L, >=num_tokens, D]`` with the copy kernel;
         returns ``out[:, :, :num_tokens]``. Large copies run in a worker thread, and

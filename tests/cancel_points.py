@@ -12,17 +12,14 @@ cancelled, in one of three ways users really do it:
 * ``anyio_scope``: ``CancelScope.cancel()`` on an anyio scope around the call
   (level-triggered: Starlette's cancel-on-disconnect, ``move_on_after``).
 
-Under trio (:data:`TRIO_MODES`) the operation's await points are those of the
-tasks it runs on the client loop (the asyncio loop the library uses under trio),
-counted the same way; at the k-th one the caller's *trio* scope is cut:
+Under trio (:data:`TRIO_MODES`) the library runs natively in the trio run; a
+trio instrument counts every step of the caller's task and of each task started
+while the operation runs (its job, release steps, fan-out), and at the k-th step
+the caller's *trio* scope is cut:
 
 * ``trio_scope``: ``trio.CancelScope.cancel()`` on a scope around the call;
 * ``trio_fail_after``: a ``trio.fail_after`` around the call whose deadline passes
   now (the caller sees ``trio.TooSlowError``).
-
-The k-th point holds the loop thread until the cancellation has crossed back to
-the loop (or for :data:`_CROSS_WAIT` when none comes: a cleanup is not cut), so
-the cut lands at that point, not some steps later.
 
 :func:`cancel_at` returns whether the cancellation fired before the operation
 completed, and checks that a fired one surfaced to the caller as that
@@ -34,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +39,6 @@ import anyio
 
 MODES = ("task_cancel", "asyncio_timeout", "anyio_scope")
 TRIO_MODES = ("trio_scope", "trio_fail_after")
-#: how long the k-th point waits for a trio cancellation to reach the client loop
-_CROSS_WAIT = 0.2
 
 
 @dataclass
@@ -126,8 +120,6 @@ def _counting_factory(counter: _Counter) -> Callable[..., asyncio.Task[Any]]:
 def _counting(loop: asyncio.AbstractEventLoop, counter: _Counter) -> Iterator[None]:
     """Count the yields of every task ``loop`` creates meanwhile (see :func:`cancel_at`)."""
     old_factory = loop.get_task_factory()
-    # The loop reads the factory at each task creation: one attribute store, so it may
-    # be set from another thread (the trio modes set the client loop's).
     loop.set_task_factory(_counting_factory(counter))
     try:
         yield
@@ -201,60 +193,58 @@ async def cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outc
 async def _trio_cancel_at(k: int, mode: str, op: Callable[[], Awaitable[Any]]) -> Outcome:
     import trio
 
-    from lmkv_async import _loop_thread
-
-    loop = _loop_thread.loop()
-    token = trio.lowlevel.current_trio_token()
-    trio_thread = threading.get_ident()
     counter = _Counter(k)
-    crossed = threading.Event()
-    real_call_soon_threadsafe = loop.call_soon_threadsafe
+    watched = {trio.lowlevel.current_task()}
 
-    def watching_call_soon_threadsafe(*args: Any, **kwargs: Any) -> Any:
-        # the library handing a cancellation (or any call) from the trio thread to the loop
-        handle = real_call_soon_threadsafe(*args, **kwargs)
-        if threading.get_ident() == trio_thread:
-            crossed.set()
-        return handle
+    class Steps(trio.abc.Instrument):
+        """Counts each step of the caller's task and of every task started meanwhile
+        (the operation's job, its release steps, its fan-out): a step is one resumption
+        after an await point, the trio counterpart of the asyncio wrapper's yields."""
 
-    def cut(sc: trio.CancelScope) -> bool:
-        def now() -> None:
-            if mode == "trio_scope":
-                sc.cancel()
-            else:
-                sc.deadline = -math.inf  # the deadline passes: fail_after raises TooSlowError
+        def task_spawned(self, task: trio.lowlevel.Task) -> None:
+            if counter.active:
+                watched.add(task)
 
-        crossed.clear()
-        try:
-            token.run_sync_soon(now)
-        except trio.RunFinishedError:
-            return False
-        crossed.wait(_CROSS_WAIT)  # runs on the loop thread: hold it until the cut lands
-        return True
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task in watched:
+                counter.tick()
 
     out = Outcome(False, False)
-    loop.call_soon_threadsafe = watching_call_soon_threadsafe  # type: ignore[method-assign]
+    steps = Steps()
+    trio.lowlevel.add_instrument(steps)
     try:
-        with _counting(loop, counter):
-            try:
-                if mode == "trio_scope":
-                    with trio.CancelScope() as scope:
-                        counter.trigger = lambda: cut(scope)
+        try:
+            if mode == "trio_scope":
+                with trio.CancelScope() as scope:
+
+                    def cancel() -> bool:
+                        scope.cancel()
+                        return True
+
+                    counter.trigger = cancel
+                    out.result = await op()
+                    counter.active = False
+                out.surfaced = scope.cancelled_caught
+            elif mode == "trio_fail_after":
+                try:
+                    with trio.fail_after(3600) as deadline_scope:
+
+                        def expire() -> bool:
+                            deadline_scope.deadline = -math.inf  # fail_after: TooSlowError
+                            return True
+
+                        counter.trigger = expire
                         out.result = await op()
-                    out.surfaced = scope.cancelled_caught
-                elif mode == "trio_fail_after":
-                    try:
-                        with trio.fail_after(3600) as deadline_scope:
-                            counter.trigger = lambda: cut(deadline_scope)
-                            out.result = await op()
-                    except trio.TooSlowError:
-                        out.surfaced = True
-                else:
-                    raise ValueError(mode)
-            except Exception as exc:
-                out.error = exc
+                        counter.active = False
+                except trio.TooSlowError:
+                    out.surfaced = True
+            else:
+                raise ValueError(mode)
+        except Exception as exc:
+            out.error = exc
     finally:
-        del loop.call_soon_threadsafe  # back to the class's method
+        counter.active = False
+        trio.lowlevel.remove_instrument(steps)
     out.fired = counter.fired
     out.yields = counter.yields
     return out
@@ -276,7 +266,7 @@ def points(total: int, limit: int, seed: int) -> list[int]:
 
 async def count_points(op: Callable[[], Awaitable[Any]], mode: str = "task_cancel") -> int:
     """How many await points ``op()`` passes with no cancellation (counted as ``mode``
-    counts them: on the caller's loop, or on the client loop for a trio mode)."""
+    counts them: task yields on asyncio, task steps on trio)."""
     out = await cancel_at(10**9, mode, op)
     assert not out.fired and out.error is None, out.error
     return out.yields

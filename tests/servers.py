@@ -343,22 +343,10 @@ T = TypeVar("T")
 
 
 def on_client_loop(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` where the library's objects live, for a test that reads or drives
-    internals: here on asyncio; under trio on the client loop's thread, whose state
-    the transport, session and fleet are (read from the trio thread it would race)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # trio
-        return _loop_thread.portal().call(fn, *args)
+    """``fn(*args)``: the library's objects live in the caller's run on both backends."""
     return fn(*args)
 
 
 async def awaited_on_client_loop(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Await ``fn(*args)`` (a library internal that needs its asyncio loop) where the
-    library's objects live: on this loop on asyncio; under trio on the client loop,
-    from a worker thread (the portal's call blocks)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # trio
-        return await anyio.to_thread.run_sync(_loop_thread.portal().call, fn, *args)
+    """``await fn(*args)`` (kept for the call sites of the bridge days)."""
     return await fn(*args)

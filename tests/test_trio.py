@@ -5,7 +5,7 @@ await + ``aclose`` form), store / lookup / retrieve(out=) and the ``_many``
 forms bit for bit, a zero-copy view, a KV-event stream, a Fleet; trio cancel
 scopes cut connects and stores at several points; and after every exit the
 server's ``/status`` shows no session, lock or registration of ours. The
-library runs these calls on its client loop (see ``lmkv_async._trio_bridge``).
+library runs natively in the trio run (no asyncio loop anywhere).
 """
 
 from __future__ import annotations
