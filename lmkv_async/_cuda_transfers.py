@@ -32,15 +32,20 @@ CUDA transfer, so CPU-only programs never touch CUDA):
   so far, then ``sleep(0)`` yields near the end, then sleeps backing off to 2 ms.
 * **Cancellation.** A cancelled transfer keeps waiting (for the worker that
   queues the copies, then for the event) until every queued copy has completed,
-  and only then lets the cancellation through. The operation's
+  and only then lets the cancellation through (:func:`._shield.finish`: anyio
+  and trio cancel scopes as well as asyncio's ``Task.cancel``). The operation's
   release steps (``commit_retrieve``, which frees the server's read lock, and
   a store's commit) therefore never run while a DMA still reads or writes the
   slots behind them.
+
+Backend-neutral (asyncio and trio, through anyio). The registration runs as a
+job of the session's :class:`~._background.Background` (a caller cancelled while
+it runs abandons its wait, not the registration); its throwaway thread is
+awaited from a worker thread, so the event loop never blocks on it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import ctypes
 import logging
@@ -48,13 +53,17 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
+import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 from torch import Tensor
 
+from ._background import Background, Job
 from ._kernel_args import _check_placements
+from ._shield import finish
 from .errors import TransportUnavailableError
 from .kernel import stream_copy
 from .memory import Region, RegionArg
@@ -105,36 +114,44 @@ def _new_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
 
 
-def _on_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
-    """Run ``fn`` on a fresh thread that ends with it; the future resolves on this loop."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
+class _FreshThread(Generic[T]):
+    """``fn`` on a fresh thread that ends with it, started at once (also from sync
+    code); :meth:`wait` awaits its end without blocking the event loop."""
 
-    def settle(result: T | None, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)  # type: ignore[arg-type]
+    __slots__ = ("_error", "_result", "_thread")
 
-    def body() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._result: T | None = None
+        self._error: BaseException | None = None
 
-    threading.Thread(target=body, name="lmkv-cuda-register", daemon=True).start()
-    return fut
+        def body() -> None:
+            try:
+                self._result = fn()
+            except BaseException as exc:  # handed to whoever waits
+                self._error = exc
+
+        self._thread = threading.Thread(target=body, name="lmkv-cuda-register", daemon=True)
+        self._thread.start()
+
+    async def wait(self) -> T:
+        """The thread's result (or its error), once it has ended.
+
+        A worker thread joins it, so the loop keeps running; a cancellation of the
+        caller waits for the end too (the thread pins or unpins memory the caller
+        unmaps next) and is raised again afterwards.
+        """
+        if self._thread.is_alive():
+            await finish(anyio.to_thread.run_sync(self._thread.join))
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
 
 
 class HostRegistration:
     """``cudaHostRegister`` of one mapping ``[address, address + size)``.
 
     :meth:`register` returns an error message (None on success); :meth:`unregister`
-    is idempotent. Both block, so call them through :func:`_on_thread`.
+    is idempotent. Both block, so call them through :class:`_FreshThread`.
     """
 
     def __init__(self, address: int, size: int) -> None:
@@ -165,7 +182,7 @@ class HostRegistration:
 class _PoolState:
     """A pool mapping as the GPU side sees it: its registration and copies in flight."""
 
-    __slots__ = ("error", "pool", "ready", "reg", "retired", "users")
+    __slots__ = ("error", "job", "pool", "ready", "reg", "retired", "users")
 
     def __init__(self, pool: PoolMapping) -> None:
         self.pool = pool
@@ -173,7 +190,10 @@ class _PoolState:
         self.error: str | None = None
         self.users = 0
         self.retired = False
-        self.ready: asyncio.Future[None] | None = None
+        #: set once the registration attempt has ended (made by the first transfer)
+        self.ready: anyio.Event | None = None
+        #: the job that registers, when the session's group ran it
+        self.job: Job[None] | None = None
 
 
 class _Staging:
@@ -265,7 +285,7 @@ class GpuTransfers:
         self.transfers = 0
         self.staged_transfers = 0
         self.closed = False
-        self._unregistering: list[asyncio.Future[None]] = []
+        self._unregistering: list[_FreshThread[None]] = []
         #: the last transfer: enqueue_ms (worker thread), wait_ms (event poll), gpu_ms
         #: (event-timed copy), began (its time.perf_counter() when it was queued)
         self.last: dict[str, float] = {}
@@ -320,13 +340,32 @@ class GpuTransfers:
         if st is None:
             st = self._pools[id(pool)] = _PoolState(pool)
         if st.ready is None:
-            st.ready = asyncio.ensure_future(self._register(st))
-        await asyncio.shield(st.ready)
+            st.ready = anyio.Event()
+            bg = self._background()
+            if bg is not None:
+                # A job of the session's group: a cancelled caller abandons its wait,
+                # not the registration (aclose() waits for it).
+                st.job = bg.start_soon(self._register, st, name="lmkv-cuda-register")
+            else:  # no running group (a session closing): inline, to its end
+                await finish(self._register(st))
+        await st.ready.wait()
         return st if st.reg.registered and not st.retired else None
 
+    def _background(self) -> Background | None:
+        """The session's task group, if it still takes jobs."""
+        bg = getattr(self._session, "background", None)
+        return bg if isinstance(bg, Background) and bg.running else None
+
     async def _register(self, st: _PoolState) -> None:
+        try:
+            await self._register_now(st)
+        finally:
+            assert st.ready is not None
+            st.ready.set()
+
+    async def _register_now(self, st: _PoolState) -> None:
         t0 = time.monotonic()
-        error = await _on_thread(st.reg.register)
+        error = await _FreshThread(st.reg.register).wait()
         if error is None:
             log.info("registered SHM pool %s (%d MiB) with CUDA in %.2fs", st.pool.name,
                      st.pool.size >> 20, time.monotonic() - t0)
@@ -352,7 +391,7 @@ class GpuTransfers:
         # session unmaps the retired mapping.
         self._pools.pop(id(st.pool), None)
         if st.reg.registered:
-            self._unregistering.append(_on_thread(st.reg.unregister))
+            self._unregistering.append(_FreshThread(st.reg.unregister))
 
     async def aclose(self) -> None:
         """Unregister every mapping (before the session unmaps them); wait for queued
@@ -363,10 +402,16 @@ class GpuTransfers:
             ev.record(s)
             await wait_event(ev, 0, self._rate)  # copies still queued (abandoned operations)
         for st in list(self._pools.values()):
-            if st.ready is not None:
-                await asyncio.gather(st.ready, return_exceptions=True)
+            if st.job is not None:
+                await st.job.wait()
+            elif st.ready is not None:
+                await st.ready.wait()
             self._drop(st)
-        await asyncio.gather(*self._unregistering, return_exceptions=True)
+        for unpin in self._unregistering:
+            try:
+                await unpin.wait()
+            except Exception as exc:  # logged; the mapping is unmapped regardless
+                log.warning("cudaHostUnregister raised: %s", exc)
         self._unregistering.clear()
 
     # ------------------------------------------------------------------ staging
@@ -391,38 +436,28 @@ class GpuTransfers:
         if st is not None:
             st.users += 1
         try:
-            t0 = time.perf_counter()
-            began = time.monotonic()  # the first DMA starts about now
-            # A cancellation while the worker queues copies must not skip the wait
-            # below: the queued DMA would outlive the release steps that follow.
-            queued = asyncio.ensure_future(anyio.to_thread.run_sync(
-                self._enqueue, copy, work, stream, staging))
-            cancelled = False
-            while True:
-                try:
-                    pending = await asyncio.shield(queued)
-                    break
-                except asyncio.CancelledError:
-                    if queued.cancelled():
-                        raise
-                    cancelled = True
-            t1 = time.perf_counter()
-            try:
-                await wait_event(pending.end, total, self._rate, began)
-            except asyncio.CancelledError:
-                cancelled = True
-            t2 = time.perf_counter()
-            gpu_ms = self._learn(pending)
-            self.last = {"enqueue_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
-                         "gpu_ms": gpu_ms, "began": t0}
-            self._count(copy.h2d, staging, total)
-            if cancelled:
-                raise asyncio.CancelledError
+            # To its end whatever cancels the caller: a cancellation while the worker
+            # queues copies must not skip the wait for them (the queued DMA would
+            # outlive the release steps that follow). It is raised again afterwards.
+            await finish(self._queue_and_wait(copy, work, stream, staging, total))
         finally:
             if st is not None:
                 st.users -= 1
                 if st.retired and st.users == 0:
                     self._drop(st)
+
+    async def _queue_and_wait(self, copy: DeviceCopy, work: list[tuple[int, int, int]],
+                              stream: torch.cuda.Stream, staging: bool, total: int) -> None:
+        t0 = time.perf_counter()
+        began = time.monotonic()  # the first DMA starts about now
+        pending = await anyio.to_thread.run_sync(self._enqueue, copy, work, stream, staging)
+        t1 = time.perf_counter()
+        await wait_event(pending.end, total, self._rate, began)
+        t2 = time.perf_counter()
+        gpu_ms = self._learn(pending)
+        self.last = {"enqueue_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3,
+                     "gpu_ms": gpu_ms, "began": t0}
+        self._count(copy.h2d, staging, total)
 
     def _count(self, h2d: bool, staged: bool, total: int) -> None:
         self.transfers += 1
@@ -517,24 +552,29 @@ async def wait_event(ev: torch.cuda.Event, nbytes: int, rate: float,
 
     Cancellation is held back until the event completed: the copies behind it
     read or write memory whose server-side reservation the caller releases next.
+    An anyio or trio cancel scope is held off by a shield (it is level-triggered:
+    the next checkpoint after the wait raises it); asyncio's edge-triggered
+    ``Task.cancel`` goes through shields, so it is caught and raised again at the end.
     """
     t0 = time.monotonic() if started is None else started
     expected = t0 + nbytes / rate
-    cancelled = False
+    caught: BaseException | None = None
     delay = 0.001
-    while not _query(ev):
-        now = time.monotonic()
-        if now < expected - _SPIN_BEFORE:
-            pause = 0.001
-        elif now < expected + _SPIN:
-            pause = 0.0  # just yield: the end is near
-        else:
-            pause = delay
-            delay = min(delay * 2, _BACKOFF_MAX)
-        try:
-            await asyncio.sleep(pause)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    with anyio.CancelScope(shield=True):
+        while not _query(ev):
+            now = time.monotonic()
+            if now < expected - _SPIN_BEFORE:
+                pause = 0.001
+            elif now < expected + _SPIN:
+                pause = 0.0  # just yield: the end is near
+            else:
+                pause = delay
+                delay = min(delay * 2, _BACKOFF_MAX)
+            try:
+                await anyio.sleep(pause)
+            except anyio.get_cancelled_exc_class() as exc:  # Task.cancel (asyncio)
+                caught = exc
+    if caught is not None:
+        raise caught
+    await anyio.lowlevel.checkpoint_if_cancelled()  # a scope cancelled meanwhile
 

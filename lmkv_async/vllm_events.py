@@ -32,6 +32,12 @@ Mapping:
 * stores made through the fleet (engine-driven, no LMCache event) -> ``BlockStored``
   from the fleet's own bookkeeping.
 
+Background work (following the member's stream, noting subscriptions, answering
+replays) runs as jobs of a :class:`~lmkv_async._background.Background` the
+publisher owns, the same on asyncio and trio: ``async with publisher:`` enters
+its task group in the caller's task, ``await publisher.start()`` hosts it in a
+task of its own, and :meth:`VllmEventPublisher.aclose` ends it.
+
 Command line (one publisher per ``--server``; ports count up from ``--port``)::
 
     python -m lmkv_async.vllm_events --model m --layers 32 --kv-heads 8 --head-dim 128 \\
@@ -42,19 +48,20 @@ Command line (one publisher per ``--server``; ports count up from ``--port``)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import anyio
 import zmq
-import zmq.asyncio
 
-from ._trio_bridge import hop, hop_cleanup
+from . import _zsock
+from ._background import Background, Job
+from ._shield import Once
 from ._vllm_hash import (
     VLLM_DEFAULT_SEED,
     HashMode,
@@ -64,7 +71,7 @@ from ._vllm_hash import (
     vllm_none_hash,
 )
 from ._waits import wait_event
-from .errors import InvalidInputError, KVCacheError, UnsupportedOperationError
+from .errors import ClosedError, InvalidInputError, KVCacheError, UnsupportedOperationError
 from .wire.events import (
     KVRemoved,
     KVResync,
@@ -90,6 +97,8 @@ __all__ = ["VllmEventPublisher", "dynamo_workers_arg", "main", "publish_fleet"]
 log = logging.getLogger("lmkv_async.vllm_events")
 
 Record = KVStored | KVRemoved | KVResync
+
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 #: ``ipc://`` paths are Unix socket paths: at most this many bytes (``sun_path`` less its NUL)
@@ -182,14 +191,22 @@ class VllmEventPublisher:
         self._waiting: dict[bytes, list[KVStored]] = {}
         self._n_waiting = 0
         self._max_waiting = max_waiting
-        self._ctx = zmq.asyncio.Context.instance()
-        self._pub: zmq.asyncio.Socket | None = None
-        self._replay: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        # The process-wide context: one I/O thread, and no context of ours to terminate.
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._pub: zmq.Socket[bytes] | None = None
+        self._replay: zmq.Socket[bytes] | None = None
+        #: where the jobs run: entered by ``async with``, hosted by a plain start()
+        self._bg = Background(f"vllm-events {member.name}")
+        self._entered = False
+        self._started = False
+        self._jobs: list[Job[None]] = []
+        #: the close runs once; every aclose() waits for it (shielded)
+        self._closer = Once()
         self.published = 0  # batches
         self.blocks = 0  # BlockStored block hashes sent
         self.subscriptions = 0  # subscribe messages received (XPUB drops duplicates)
-        self._subscribed = asyncio.Event()
+        #: made on first use: an anyio.Event needs a running event loop
+        self._subscribed: anyio.Event | None = None
         self._check_block_size()
 
     def __repr__(self) -> str:
@@ -207,55 +224,110 @@ class VllmEventPublisher:
             raise InvalidInputError(
                 f"block_size {self._B} does not divide the chunk size {C}")
 
-    @hop
     async def start(self) -> VllmEventPublisher:
-        """Bind the sockets and start following the member's events."""
-        self._check_block_size()  # before any socket: a bad size sends nothing
-        # XPUB: sends exactly what a PUB does, and also tells us when a consumer's
-        # subscription arrived (wait_subscribed), which a PUB cannot.
-        self._pub = self._ctx.socket(zmq.XPUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(self.endpoint)
-        self._tasks.append(asyncio.create_task(self._watch_subscriptions(),
-                                               name="lmkv-vllm-subs"))
-        if self.replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(self.replay_endpoint)
-            self._tasks.append(asyncio.create_task(self._serve_replay(),
-                                                   name="lmkv-vllm-replay"))
-        self._tasks.append(asyncio.create_task(self._follow(), name="lmkv-vllm-follow"))
-        self.member.fleet._own_store_listeners.append(self._on_own_store)
+        """Bind the sockets and start following the member's events.
+
+        The publisher's background work then runs in a task of its own (hosted:
+        an asyncio task, a trio system task) until :meth:`aclose`; ``async with``
+        runs it inside the caller's block instead.
+        """
+        self._bind()
+        try:
+            await self._bg.host()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._start_jobs()
         return self
 
-    @hop_cleanup
-    async def aclose(self) -> None:
-        """Stop and close the sockets."""
-        with contextlib.suppress(ValueError):
-            self.member.fleet._own_store_listeners.remove(self._on_own_store)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def __aenter__(self) -> VllmEventPublisher:
+        self._bind()
+        try:
+            await self._bg.__aenter__()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._entered = True
+        self._start_jobs()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: Any) -> None:
+        try:
+            await self.aclose()
+        finally:
+            if self._entered:  # the group was entered in this (the caller's) task
+                self._entered = False
+                await self._bg.__aexit__(exc_type, exc, tb)
+
+    def _bind(self) -> None:
+        """Check, then bind the sockets (closing them again if a bind fails)."""
+        if self._started or self._closer.started:
+            raise ClosedError("a VllmEventPublisher is started once (make a new one)")
+        self._check_block_size()  # before any socket: a bad size sends nothing
+        try:
+            # XPUB: sends exactly what a PUB does, and also tells us when a consumer's
+            # subscription arrived (wait_subscribed), which a PUB cannot. Plain sockets
+            # awaited through anyio (:mod:`._zsock`): the same on asyncio and trio.
+            self._pub = zmq.Socket(self._ctx, zmq.XPUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.endpoint)
+            if self.replay_endpoint:
+                self._replay = zmq.Socket(self._ctx, zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(self.replay_endpoint)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._started = True
+
+    def _start_jobs(self) -> None:
+        bg = self._bg
+        self._jobs.append(bg.start_soon(self._watch_subscriptions, name="lmkv-vllm-subs"))
+        if self._replay is not None:
+            self._jobs.append(bg.start_soon(self._serve_replay, name="lmkv-vllm-replay"))
+        self._jobs.append(bg.start_soon(self._follow, name="lmkv-vllm-follow"))
+        self.member.fleet._own_store_listeners.append(self._on_own_store)
+
+    def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
-                sock.close()
+                _zsock.close(sock)
         self._pub = self._replay = None
 
-    @hop
+    async def aclose(self) -> None:
+        """Stop the background work, close the sockets and end the publisher's task
+        group. Idempotent, shielded and bounded: the caller's cancellation does not
+        cut it short (it is raised again afterwards)."""
+        await self._closer.run(self._teardown)
+
+    async def _teardown(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.member.fleet._own_store_listeners.remove(self._on_own_store)
+        for job in self._jobs:
+            job.cancel()
+        for job in self._jobs:  # each ends at its next await (its stream closes itself)
+            await job.wait()
+        self._jobs.clear()
+        self._close_sockets()
+        # Hosted: ends the host task and waits for it; entered: __aexit__ ends the group.
+        await self._bg.aclose()
+
+    def _subscribed_event(self) -> anyio.Event:
+        if self._subscribed is None:
+            self._subscribed = anyio.Event()
+            if self.subscriptions:
+                self._subscribed.set()
+        return self._subscribed
+
     async def wait_subscribed(self, timeout: float) -> None:
         """Wait until a consumer has subscribed (batches before that are only in the
         replay buffer: PUB/SUB delivers nothing to a subscriber that has not joined).
 
         Raises :class:`TimeoutError` after ``timeout`` seconds.
         """
-        if not await wait_event(self._subscribed, timeout):
+        if not await wait_event(self._subscribed_event(), timeout):
             raise TimeoutError(f"no consumer subscribed within {timeout} s")
-
-    async def __aenter__(self) -> VllmEventPublisher:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ translation
     def _blocks_of(self, rec: KVStored, packed: bytes, n: int) -> list[bytes] | None:
@@ -396,13 +468,16 @@ class VllmEventPublisher:
         seq = self._seq
         self._seq += 1
         try:
-            self._pub.send_multipart([self._topic, encode_seq(seq), payload], zmq.NOBLOCK)
+            self._pub.send_multipart([self._topic, encode_seq(seq), payload], _NOBLOCK)
         except zmq.Again:  # PUB drops at its high-water mark, as vLLM's does
             log.debug("PUB queue full; batch %d only in the replay buffer", seq)
         self._buffer.append((seq, payload))
         self.published += 1
+        # The send may have processed the socket's pending commands, consuming the
+        # edge of its descriptor that the subscription job waits on: read what came.
+        self._take_subscriptions()
 
-    # ------------------------------------------------------------------ tasks
+    # ------------------------------------------------------------------ jobs
     async def _follow(self) -> None:
         delay = 0.1
         while True:
@@ -413,7 +488,7 @@ class VllmEventPublisher:
                 return
             except KVCacheError as exc:  # not joined yet
                 log.debug("publisher for %s waits: %s", self.member.name, exc)
-                await asyncio.sleep(delay)
+                await anyio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
             try:
@@ -436,23 +511,41 @@ class VllmEventPublisher:
                 return
             except KVCacheError as exc:
                 log.info("event stream of %s failed (%s); resubscribing", self.member.name, exc)
-                await asyncio.sleep(delay)
+                await anyio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    def _take_subscriptions(self) -> None:
+        """Count the (un)subscribe messages the XPUB holds (non-blocking)."""
+        sock = self._pub
+        if sock is None:
+            return
+        while True:
+            try:
+                msg = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[:1] == b"\x01":
+                self.subscriptions += 1
+                self._subscribed_event().set()
 
     async def _watch_subscriptions(self) -> None:
         sock = self._pub
         assert sock is not None
-        while True:
-            msg = await sock.recv()
-            if msg[:1] == b"\x01":
-                self.subscriptions += 1
-                self._subscribed.set()
+        fd = int(sock.getsockopt(zmq.FD))
+        try:
+            while True:
+                # Every wait right after a read that found nothing: the FD is
+                # edge-triggered (publish() reads too, after each send).
+                self._take_subscriptions()
+                await anyio.wait_readable(fd)
+        except (anyio.ClosedResourceError, zmq.ZMQError):
+            return
 
     async def _serve_replay(self) -> None:
         sock = self._replay
         assert sock is not None
         while True:
-            frames = await sock.recv_multipart()
+            frames = await _zsock.recv_multipart(sock)
             start = decode_replay_request(frames)
             if start is None:
                 log.debug("ignoring a malformed replay request (%d frames)", len(frames))
@@ -460,8 +553,8 @@ class VllmEventPublisher:
             ident = bytes(frames[0])
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await sock.send_multipart(encode_replay_item(ident, seq, payload))
-            await sock.send_multipart(encode_replay_end(ident))
+                    await _zsock.send_multipart(sock, encode_replay_item(ident, seq, payload))
+            await _zsock.send_multipart(sock, encode_replay_end(ident))
 
 
 async def publish_fleet(fleet: Fleet, *, host: str = "127.0.0.1", port: int = 5557,
@@ -547,10 +640,10 @@ def main(argv: list[str] | None = None) -> int:
                       block_size=args.block_size, world_size=args.world_size)
 
     async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            await serve(signals)
+
+    async def serve(signals: Any) -> None:
         async with Fleet(servers, model_name=args.model, layout=layout) as fleet:
             pubs = await publish_fleet(fleet, host=args.host, port=args.port,
                                        worker_ids=worker_ids, topic=args.topic,
@@ -563,11 +656,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{pub.member.name}: worker {pub.worker_id} PUB {pub.endpoint} "
                       f"replay {pub.replay_endpoint}", flush=True)
             print(f"dynamo --workers {dynamo_workers_arg(pubs)}", flush=True)
-            await stop.wait()
-            for pub in pubs:
-                await pub.aclose()
+            try:
+                async for _ in signals:  # SIGINT or SIGTERM: stop
+                    break
+            finally:
+                for pub in pubs:
+                    await pub.aclose()
 
-    asyncio.run(run())
+    anyio.run(run)
     return 0
 
 
