@@ -434,8 +434,12 @@ class Connection:
             reply.wake = room
             # the FD may not signal again if room appeared before we registered
             self._look_again()
-            await room.wait()
-            reply.wake = None
+            try:
+                await room.wait()
+            finally:
+                reply.wake = None
+                if not room.is_set():  # our deadline or cancellation: stop waiting
+                    self._writable.remove(room)
             if reply.done():
                 return
             try:
