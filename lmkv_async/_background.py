@@ -160,7 +160,7 @@ class Background:
         """Start ``fn(*args)`` as a job of this group."""
         if self._tg is None or self._closed:
             raise RuntimeError(f"background of {self.name} is not running")
-        job: Job[T] = Job(name or getattr(fn, "__qualname__", "job"))
+        job: Job[T] = Job(name or str(getattr(fn, "__qualname__", "job")))
         self.jobs.add(job)
         job.add_done_callback(self.jobs.discard)
         self._tg.start_soon(job._run, fn, args, name=job.name)

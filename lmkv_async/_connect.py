@@ -20,7 +20,6 @@ from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._background import Background
-
 from .errors import InvalidInputError
 from .layout import KVLayout
 from .validate import check_timeout

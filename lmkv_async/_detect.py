@@ -18,7 +18,6 @@ from typing import Any
 import zmq
 
 from ._background import Background
-
 from .errors import (
     InvalidInputError,
     KVCacheError,

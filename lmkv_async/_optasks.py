@@ -59,8 +59,8 @@ class TaskKeeper:
         and close waits for them (bounded) before unregistering.
         """
         if not self.background.running:
-            # The session's group is closing: run them anyway, but nobody would own
-            # them; closing the coroutine unstarted is the honest alternative.
+            # Only after the close ended the group: the registration is gone and the
+            # server dropped what it held with it, so there is nothing left to release.
             steps.close()
             return
         self.spawn(self._after_caller, steps, name="lmkv-release")

@@ -43,6 +43,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 import anyio
+import anyio.lowlevel
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -240,6 +241,11 @@ class KVEventStream:
         if self._closed:
             raise ClosedError("the KV-event stream is closed")
         try:
+            if not self._pending:
+                # A checkpoint before going to the socket (at most one a batch): the
+                # reply may already be there, and a caller's scope cancelled meanwhile
+                # must still be seen (trio's rule: every async call is a checkpoint).
+                await anyio.lowlevel.checkpoint()
             while not self._pending:
                 if not self._started:
                     self._open_socket()
@@ -327,7 +333,7 @@ class KVEventStream:
         if known is not None and batch.incarnation != known and self._cursor != 0:
             # A restarted server: our cursor means nothing in its new log. Start over
             # from 0 so no record of the new incarnation is skipped.
-            await self._cancel_stream()
+            self._cancel_stream()
             self._cursor = 0
             self._incarnation = batch.incarnation
             await self._subscribe_fresh_after_restart()
@@ -477,7 +483,7 @@ class KVEventStream:
             await _poll(mon, delay)
             delay = min(delay * 2, _RESUBSCRIBE_BACKOFF[1])
 
-    async def _cancel_stream(self) -> None:
+    def _cancel_stream(self) -> None:
         if self._stream_uid is not None:
             self._send_now(control_frames(self._stream_uid_int, "cancel"))
         self._stream_uid = None
@@ -485,13 +491,20 @@ class KVEventStream:
     async def aclose(self) -> None:
         """Cancel the subscription and close the socket (idempotent, never blocks).
 
-        It never yields to the event loop either, so a cancelled caller (whose
-        scope would raise at the first checkpoint) still closes everything.
+        The close itself is synchronous, so a cancelled caller still closes
+        everything; then, like trio's own ``aclose()``, it is a checkpoint: a
+        cancellation of the caller is raised once the stream is closed.
         """
+        try:
+            self._close_now()
+        finally:
+            await anyio.lowlevel.checkpoint()
+
+    def _close_now(self) -> None:
         if self._closed:
             return
         self._closed = True
-        await self._cancel_stream()
+        self._cancel_stream()
         self._pending.clear()
         if self._sock is not None:
             try:

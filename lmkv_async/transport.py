@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
 import anyio
 import zmq
 from zmq.utils.monitor import parse_monitor_message

@@ -22,7 +22,6 @@ missing one fails the tests that need it, unless
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
@@ -36,7 +35,6 @@ import pytest
 from timing import SETTLE, SLACK
 
 import lmkv_async as lmkv
-from lmkv_async import _loop_thread
 from lmkv_async.testing import (
     LocalServer,
     ServerConfig,

@@ -285,9 +285,9 @@ async def test_commit_goes_out_when_the_copy_ends_past_the_deadline(
         real = _ops._copy
 
         async def late_copy(*args: Any, **kwargs: Any) -> None:
-            # runs inside the library: on an asyncio loop on either backend
+            # runs inside the library, on the caller's backend
             await real(*args, **kwargs)
-            await asyncio.sleep(0.6)  # the copy ends after the caller's deadline
+            await anyio.sleep(0.6)  # the copy ends after the caller's deadline
 
         monkeypatch.setattr(_ops, "_copy", late_copy)
         try:
@@ -324,9 +324,9 @@ async def test_prepare_never_sent_frees_the_lookup_locks(
         real_acquire = gates.acquire
 
         async def slow_gate(key: bytes, deadline: float, server: str) -> None:
-            # runs inside the library: on an asyncio loop on either backend
+            # runs inside the library, on the caller's backend
             await real_acquire(key, deadline, server)
-            await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
+            await anyio.sleep(max(0.0, deadline - time.monotonic()) + 0.05)
 
         monkeypatch.setattr(gates, "acquire", slow_gate)
         with pytest.raises(lmkv.ServerTimeoutError):
