@@ -38,14 +38,32 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ._shield import on_asyncio
+from .errors import KVCacheError
 
-__all__ = ["Background", "Job"]
+__all__ = ["Background", "Job", "JobCancelled", "Signal", "require_event_loop"]
 
 log = logging.getLogger("lmkv_async")
 
 T = TypeVar("T")
 
 _PENDING, _DONE, _FAILED, _CANCELLED = range(4)
+
+
+def require_event_loop(what: str) -> None:
+    """Raise a typed :class:`KVCacheError` unless an asyncio loop or a trio run is
+    running here: a bare coroutine driver would otherwise fail deep inside, with
+    ``RuntimeError`` or sniffio's error, and after some of the work was done."""
+    if on_asyncio():
+        return
+    try:
+        import trio
+
+        trio.lowlevel.current_trio_token()
+        return
+    except (ImportError, RuntimeError):
+        pass
+    raise KVCacheError(f"{what}() needs a running asyncio or trio event loop (asyncio.run, "
+                       "trio.run, or anyio.run with either backend)")
 
 
 class Job(Generic[T]):

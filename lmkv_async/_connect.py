@@ -104,6 +104,11 @@ class Connecting(Generic[C]):
     def __await__(self) -> Generator[Any, None, C]:
         return self._factory(None).__await__()
 
+    async def within(self, background: Background) -> C:
+        """Open the object with its background work in ``background``, a group someone
+        else owns and keeps open for longer (a fleet, for its members' contexts)."""
+        return await self._factory(background)
+
     async def __aenter__(self) -> C:
         bg = Background(self._name)
         await bg.__aenter__()

@@ -440,6 +440,10 @@ class GpuTransfers:
             # queues copies must not skip the wait for them (the queued DMA would
             # outlive the release steps that follow). It is raised again afterwards.
             await finish(self._queue_and_wait(copy, work, stream, staging, total))
+            # finish() raises asyncio's Task.cancel again itself; a cancelled scope (anyio,
+            # trio, Job.cancel() from aclose()) is raised here, as soon as the copies are
+            # done, not at whatever await comes next (the operation may have none left).
+            await anyio.lowlevel.checkpoint_if_cancelled()
         finally:
             if st is not None:
                 st.users -= 1

@@ -398,9 +398,12 @@ class FleetMember:
             if self._ctx is None or self._ctx.closed:
                 f = self.fleet
                 key = f.api_key
+                # in the fleet's group, like the member's other work: the fleet's
+                # close ends it, and under ``async with Fleet`` it lives in the caller's
                 ctx = await connect(self.url, self.http_url, f.model_name,
                                     layout=f.layout, timeout=f.data_timeout,
-                                    api_key=key.reveal() if key is not None else None)
+                                    api_key=key.reveal() if key is not None else None
+                                    ).within(f.background)
                 if self._is_closed():  # closed while connecting
                     await finish(ctx.aclose())
                     raise ClosedError(f"fleet member {self.name} is closed")

@@ -1,11 +1,11 @@
-"""The process's client event loop: one asyncio loop in its own thread.
+"""The blocking facade's event loop: one asyncio loop in its own thread.
 
-Two callers need an asyncio loop they do not run themselves: the blocking facade
-(:mod:`lmkv_async.sync`) and code running under trio (:mod:`._trio_bridge`). Both
-use this one loop, started on first use through anyio's blocking portal and
-stopped at interpreter exit, after the objects still open on it (contexts, fleets)
-were closed, so that no session or registration stays on a server. Importing this
-module starts nothing.
+The blocking facade (:mod:`lmkv_async.sync`) needs an event loop that its callers
+do not run. It uses this one, started on first use through anyio's blocking
+portal and stopped at interpreter exit, after the objects still open on it
+(contexts, fleets) were closed, so that no session or registration stays on a
+server. Importing this module starts nothing. (Async code, on asyncio or trio,
+runs the library on its own loop; nothing of it comes here.)
 
 A forked child has no loop thread: the first use there starts a new one, and the
 objects of the parent's loop are unusable in it (``generation()`` changes).
@@ -123,7 +123,7 @@ def running() -> bool:
 
 def track_if_on_loop(obj: Closable) -> None:
     """Close ``obj`` (with ``aclose``) when the loop stops, if still open, when called
-    on the client loop's thread (opened for trio or for the blocking facade); else
+    on the client loop's thread (opened for the blocking facade); else
     nothing: the caller's own loop owns it."""
     if _thread is not None and threading.current_thread() is _thread:
         _open.add(obj)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from . import _loop_thread, _ops, cuda, kernel
-from ._background import Background
+from ._background import Background, require_event_loop
 from ._connect import Connecting, check_connect_args
 from ._session import Session, TransportMode
 from ._view_block import ViewBlock
@@ -556,6 +556,7 @@ def connect(
     key = resolve_api_key(api_key)
 
     async def factory(background: Background | None) -> AsyncKVContext:
+        require_event_loop("connect")
         session = Session(
             url, http_url, model_name, layout=layout, timeout=timeout, transport=transport,
             sockets=sockets, shm_dir=shm_dir, heartbeat_interval=heartbeat_interval,

@@ -49,7 +49,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 
 from . import _loop_thread
-from ._background import Background, Job
+from ._background import Background, Job, require_event_loop
 from ._fleet_host import MemberState, OwnStoreListener, Registration, Source
 from ._fleet_member import (  # noqa: F401  (re-exported)
     DOWN_AFTER,
@@ -276,6 +276,7 @@ class Fleet:
         """
         if self._state != "new":
             return self
+        require_event_loop("Fleet.open")
         _loop_thread.track_if_on_loop(self)  # opened for the blocking facade: closed at exit
         try:
             if not self._background.running:

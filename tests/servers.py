@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -340,11 +340,3 @@ async def assert_left_nothing(server: LocalServer, instance_ids: set[int], *,
 T = TypeVar("T")
 
 
-def on_client_loop(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``: the library's objects live in the caller's run on both backends."""
-    return fn(*args)
-
-
-async def awaited_on_client_loop(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """``await fn(*args)`` (kept for the call sites of the bridge days)."""
-    return await fn(*args)

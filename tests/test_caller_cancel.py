@@ -12,11 +12,9 @@ Also here: one test per defect of the close and release paths that only the
 caller's cancellation exposed (threads joined, commit and prepare budgets, a
 reaped registration).
 
-Every async test runs on asyncio and under trio (through the client loop), except
-those about asyncio's own ways of cancelling (``asyncio.timeout``,
-``asyncio.wait_for``, a plain ``Task.cancel``; each says why). Under trio the
-context's internals live on the client loop's thread: the tests read them there
-(:func:`on_client_loop`).
+Every async test runs on asyncio and natively under trio, except those about
+asyncio's own ways of cancelling (``asyncio.timeout``, ``asyncio.wait_for``, a
+plain ``Task.cancel``; each says why).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from typing import Any, TypeVar
 import anyio
 import pytest
 import torch
-from servers import assert_left_nothing, on_client_loop
+from servers import assert_left_nothing
 from timing import SLACK
 
 import lmkv_async as lmkv
@@ -52,7 +50,7 @@ _models = itertools.count()
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 
@@ -335,7 +333,7 @@ async def test_prepare_never_sent_frees_the_lookup_locks(
         deadline = time.monotonic() + SLACK * 4
         while True:
             l1 = (await ctx.status())["storage_manager"]["l1_manager"]
-            if l1["read_locked_count"] == 0 and not on_client_loop(lambda: len(ctx._s._tasks)):
+            if l1["read_locked_count"] == 0 and not ctx._s._tasks:
                 break
             assert time.monotonic() < deadline, f"read locks left: {l1['read_locked_count']}"
             await anyio.sleep(0.05)
@@ -358,7 +356,7 @@ async def test_reaped_registration_is_re_established(
         C = ctx.chunk_size
         # wait for a first heartbeat (reap_timeout/4 = 7.5 s): reaping needs a ping first
         deadline = time.monotonic() + REAP / 4 + 3 * SLACK
-        while not on_client_loop(lambda: ctx._s._pinged):
+        while not ctx._s._pinged:
             assert time.monotonic() < deadline, "no heartbeat was answered"
             await anyio.sleep(0.1)
 
@@ -372,9 +370,9 @@ async def test_reaped_registration_is_re_established(
                     break
             return ctx.instance_id not in srv.status()["registered_non_cuda_instance_ids"]
 
-        # the client stalls (a blocked loop: the context's, the client loop under trio)
-        # until the server's reaper has dropped it
-        assert on_client_loop(stall), (
+        # the client stalls (a blocked event loop or trio run) until the server's
+        # reaper has dropped it
+        assert stall(), (
             "the server did not reap the stalled client: the test proves nothing"
         )
         caplog.set_level(logging.INFO, logger="lmkv_async")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 

@@ -1,6 +1,6 @@
 """AsyncKVContext against real lmcache servers (0.5.2 and 0.5.6, SHM and pickle).
 
-Every async test runs on asyncio and under trio (through the client loop), unless
+Every async test runs on asyncio and natively under trio, unless
 marked otherwise. :func:`gather` is the backend-neutral ``asyncio.gather`` the
 other modules import too.
 """
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 
@@ -545,9 +545,8 @@ async def test_aclose_waits_for_operations_in_flight(server: LocalServer) -> Non
 
     async def call(i: int, coro: Any) -> None:
         nonlocal started
-        # On asyncio the call passes its open-context check in this same step; under
-        # trio it hands the call to the client loop in this step, ahead of aclose()'s
-        # hand-over below, and the loop runs them in that order.
+        # The call passes its open-context check in this same step, on either backend,
+        # ahead of aclose() below.
         started += 1
         try:
             results[i] = await coro

@@ -1,6 +1,6 @@
 """Outside both asyncio and trio (a bare coroutine driver) the entry points fail clearly.
 
-Under trio the calls run on the client loop (tests/test_trio.py). Here the coroutines
+On asyncio and trio the library runs natively (tests/test_trio.py). Here the coroutines
 are driven by hand, as a loop that is neither would drive them: the first step must
 raise a typed error that names what to do, before any traffic (and not
 ``RuntimeError: no running event loop`` from deep inside).

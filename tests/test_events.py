@@ -4,7 +4,7 @@ Live tests run lmcache 0.5.6 and 0.5.7rc2 servers; lmcache-driven stores (the on
 ones that log ``stored`` events) are made by ``server_scripts/lmcache_store.py``
 inside the server's environment.
 
-Every live test runs on asyncio and under trio (through the client loop).
+Every live test runs on asyncio and natively under trio.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import anyio
 import msgpack
 import pytest
 import torch
-from servers import awaited_on_client_loop, server_python
+from servers import server_python
 from storer import LmcacheStorer, astore
 
 import lmkv_async as lmkv
@@ -134,7 +134,7 @@ def test_chunk_hashes_match_the_server_package() -> None:
 # ------------------------------------------------------------------ live helpers
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 
@@ -223,7 +223,7 @@ async def test_stream_types_stores_and_removals(ev_server: LocalServer,
                              lmkv.wire.requests.clear(ctx._s.d, force=True),
                              time.monotonic() + 5)
 
-        await awaited_on_client_loop(clear)
+        await clear()
         removed = await next_of(it, (KVRemoved, KVStored))
         assert isinstance(removed, KVRemoved), "an engine-driven store produced a stored record"
         assert set(removed.block_hashes) == set(want) | set(hashing.chunk_hashes(toks2, C))

@@ -6,7 +6,7 @@ bad item fails alone with a typed error; ``max_in_flight`` bounds the calls
 running at once (checked by instrumenting the single-item method, so a helper
 that ignored the bound would fail). Runs on all four ``server`` configurations
 and checks ``/status`` for leaks after each test. Every async test runs on asyncio
-and under trio (through the client loop).
+and natively under trio.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 # Small geometry: one chunk object is 32 KiB, so pickle servers stay quick too.
@@ -72,8 +72,8 @@ def untouched(t: torch.Tensor) -> bool:
 class Gauge:
     """Counts concurrent calls of a wrapped coroutine method (instance attribute).
 
-    The ``*_many`` helpers call the wrapper where they run: on the test's loop under
-    asyncio, on the client loop (asyncio) under trio; anyio sleeps on either.
+    The ``*_many`` helpers call the wrapper in the caller's run; anyio sleeps on either
+    backend.
     """
 
     def __init__(self, ctx: lmkv.AsyncKVContext, name: str, hold: float = 0.005) -> None:
@@ -372,8 +372,6 @@ async def test_four_sockets_two_gpu_workers(version: str,
             conn.request = counted  # type: ignore[method-assign]
 
         async def sample_busy_sockets() -> None:
-            # Under trio the sockets are the client loop's: this reads their counters
-            # from the trio thread while that loop runs.
             nonlocal busy_peak
             while True:
                 busy_peak = max(busy_peak, sum(1 for c in conns if c.in_flight > 0))

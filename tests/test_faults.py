@@ -1,10 +1,8 @@
 """Faults against real server processes: kill, restart, freeze, reaping, cancellation.
 
-Every async test runs on asyncio and under trio (through the client loop); the
+Every async test runs on asyncio and natively under trio; the
 random-cancellation test cuts with cancel scopes on both, and with a plain
 ``Task.cancel`` on asyncio as well.
-Under trio the context's internals live on the client loop's thread: the tests
-read them there (:func:`on_client_loop`), never racily from the trio thread.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any, TypeVar
 import anyio
 import pytest
 import torch
-from servers import VERSIONS, assert_quiescent, checked_context, on_client_loop
+from servers import VERSIONS, assert_quiescent, checked_context
 from test_context import LAYOUT, random_kv, same_bits, tokens_for
 from timing import EARLY, SETTLE, SLACK, eventually, fast, timed, within
 
@@ -33,7 +31,7 @@ T = TypeVar("T")
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 
@@ -42,15 +40,13 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 def pending_requests(ctx: lmkv.AsyncKVContext) -> int:
     """Requests still awaiting a reply (timed-out prepare_stores kept for late replies excluded)."""
-    return on_client_loop(
-        lambda: sum(c.in_flight - c.late_pending for c in ctx._transport.connections))
+    return sum(c.in_flight - c.late_pending for c in ctx._transport.connections)
 
 
 def pending_ops(ctx: lmkv.AsyncKVContext) -> list[str]:
     """Ops of the requests awaiting a reply (late-reply entries excluded)."""
-    return on_client_loop(
-        lambda: [p.op for c in ctx._transport.connections for p in c._pending.values()
-                 if p.late is None])
+    return [p.op for c in ctx._transport.connections for p in c._pending.values()
+            if p.late is None]
 
 
 async def reconnected(ctx: lmkv.AsyncKVContext) -> None:
@@ -59,9 +55,8 @@ async def reconnected(ctx: lmkv.AsyncKVContext) -> None:
     A call made before that fails with ServerUnavailableError once the reconnect grace,
     counted from the disconnect, is over; that is the documented behaviour.
     """
-    await eventually(lambda: on_client_loop(
-        lambda: all(c.connected for c in ctx._transport.connections)),
-        what="the context's sockets reconnect")
+    await eventually(lambda: all(c.connected for c in ctx._transport.connections),
+                     what="the context's sockets reconnect")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -255,10 +250,10 @@ async def test_heartbeat_outlives_reap_timeout_silent_control_is_reaped(
                                  heartbeat_interval=0)
     try:
         # the interval comes from the server's /config: a quarter of the reap timeout
-        assert on_client_loop(lambda: real._s.reap_timeout) == REAP
-        assert (on_client_loop(lambda: real._s.heartbeat_interval)
+        assert real._s.reap_timeout == REAP
+        assert (real._s.heartbeat_interval
                 == heartbeat_interval_for(REAP) == REAP / 4)
-        assert on_client_loop(lambda: control._s._heartbeat) is None
+        assert control._s._heartbeat is None
         for ctx in (real, control):
             toks = tokens_for(ctx.chunk_size)
             await ctx.store(random_kv(LAYOUT, len(toks), seed=80), toks)
@@ -410,7 +405,7 @@ async def test_dead_request_loop_is_diagnosed(server_factory: Callable[..., Loca
 
         await eventually(loop_died, what="the server's request loop stops answering")
         assert httpx.get(f"{server.http_url}/healthcheck").status_code == 200
-        await eventually(lambda: on_client_loop(lambda: ctx._s.loop_dead), timeout=3 * SETTLE,
+        await eventually(lambda: ctx._s.loop_dead, timeout=3 * SETTLE,
                          what="the heartbeat diagnoses the dead loop")
         with pytest.raises(lmkv.ServerTimeoutError, match="request loop is unresponsive"):
             await ctx.lookup(toks, timeout=1)

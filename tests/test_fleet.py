@@ -5,7 +5,7 @@ is shared by the module for fan-out and health tests; tests of the index start
 servers of their own (``fresh``), because what a server held before the fleet
 attached decides whether the index may answer for it.
 
-Every async test runs on asyncio and under trio (through the client loop), except the
+Every async test runs on asyncio and natively under trio, except the
 one about ``asyncio.timeout`` and ``wait_for`` (asyncio's own cancellation).
 """
 
@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from servers import ServerPool, ServerSpec, leak_report, on_client_loop
+from servers import ServerPool, ServerSpec, leak_report
 from storer import LmcacheStorer, astore
 from test_context import gather
 from timing import SETTLE, SLACK, eventually
@@ -55,7 +55,7 @@ SDK_INTEROP = Path(__file__).resolve().parent / "server_scripts" / "sdk_interop.
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 
@@ -424,9 +424,8 @@ async def test_own_stores_come_back_after_a_resync_that_discards(
         await synced(fleet, ["m"])
         await m.store(kv_for(3 * C), seq)
         assert fleet.index.size("m") == 3
-        # What the follower does on a "lost" batch (the log outran it), on its loop:
-        on_client_loop(m.sync.apply,
-                      KVResync("lost", m.sync.incarnation, 0, True, False))
+        # What the follower does on a "lost" batch (the log outran it):
+        m.sync.apply(KVResync("lost", m.sync.incarnation, 0, True, False))
         await eventually(lambda: fleet.index.size("m") == 3, what="own stores re-indexed")
         async with m.kv_events() as stream:
             with anyio.fail_after(SLACK):

@@ -2,7 +2,7 @@
 
 The read lock is checked through ``/status`` (``read_locked_count``) while the
 context is still registered: held inside the block, gone after every exit.
-Every async test runs on asyncio and under trio (through the client loop).
+Every async test runs on asyncio and natively under trio.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test here runs on asyncio and under trio (through the client loop)."""
+    """Every async test here runs on asyncio and natively under trio."""
     return str(request.param)
 
 
