@@ -75,7 +75,6 @@ async def test_lmcache_driven_server_fails_fast(
     fast(time.monotonic() - t0, limit=2 * SLACK, what="must not wait for the 60 s timeout")
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # probes the transport directly
 @pytest.mark.parametrize("version", VERSIONS)
 async def test_dialect_chosen_from_version(
     version: str, server_factory: Callable[..., LocalServer]
