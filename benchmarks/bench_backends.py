@@ -2,7 +2,8 @@
 
     python benchmarks/bench_backends.py OLD_TREE [ROUNDS]
 
-Sides, alternating within each round, each as a child process with one fresh
+Sides, alternating within each round (each round starting with the next side),
+each as a child process with one fresh
 real 0.5.6 SHM server: ``asyncio-before`` (``OLD_TREE``: a checkout from before
 the bridge, its C kernel built in place), ``asyncio-after`` and ``trio`` (this
 tree). The child (``_backends_child.py``) drives one workload through
@@ -41,8 +42,12 @@ def main() -> int:
     sides = {"asyncio-before": (old, "asyncio"), "asyncio-after": (str(ROOT), "asyncio"),
              "trio": (str(ROOT), "trio")}
     got: dict[str, list[dict[str, dict[str, float]]]] = {k: [] for k in sides}
+    names = list(sides)
     for rnd in range(rounds):
-        for name, (tree, backend) in sides.items():
+        # Each round starts with another side: run in a fixed order, a later side met a
+        # machine (page cache, free huge pages) the earlier ones had left, every time.
+        for name in names[rnd % 3:] + names[:rnd % 3]:
+            tree, backend = sides[name]
             srv.start()
             try:
                 out = subprocess.run(

@@ -259,7 +259,7 @@ async def cached_prefix(s: Session, toks: list[int], salt: str, n: int, deadline
     try:
         return await _lookup_locked(s, seq, deadline)
     finally:
-        s.release_later(_release_lookup(s, seq, free_hit=True))
+        s.release_now(_release_lookup(s, seq, free_hit=True))
 
 
 # ---------------------------------------------------------------------- retrieve

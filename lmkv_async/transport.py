@@ -20,9 +20,10 @@ FIFO order, so a context may hold a small pool of sockets (``Transport``) and
 run each operation's RPC sequence on one of them (``Connection``).
 
 Backend-neutral: the reader waits on the socket's file descriptor through
-``anyio.wait_readable``, replies resolve :class:`_Slot` objects (an
-``anyio.Event`` and a value), deadlines are anyio scopes, and the reader and
-monitor are jobs of the owner's :class:`~lmkv_async._background.Background`.
+``anyio.wait_readable``, replies land in reply slots of the running backend
+(:mod:`._prims`: anyio's own event and scope cost several times more per
+request on asyncio), and the reader and monitor are jobs of the owner's
+:class:`~lmkv_async._background.Background`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _zsock
+from ._prims import Slot, new_slot, unwatch, watch_readable
 from ._background import Background, Job
 from ._waits import wait_event
 from .errors import (
@@ -91,44 +93,9 @@ class Settable(Protocol):
     def set(self) -> None: ...
 
 
-class _Slot:
-    """Where one request's reply lands: set once, then awaited by the requester."""
-
-    __slots__ = ("error", "event", "reply", "wake")
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.reply: Reply | None = None
-        self.error: BaseException | None = None
-        #: also set when the slot is (a sender waiting for room stops waiting)
-        self.wake: anyio.Event | None = None
-
-    def done(self) -> bool:
-        return self.event.is_set()
-
-    def set_result(self, reply: Reply) -> None:
-        self.reply = reply
-        self._settle()
-
-    def set_exception(self, error: BaseException) -> None:
-        self.error = error
-        self._settle()
-
-    def _settle(self) -> None:
-        self.event.set()
-        if self.wake is not None:
-            self.wake.set()
-
-    def get(self) -> Reply:
-        if self.error is not None:
-            raise self.error
-        assert self.reply is not None
-        return self.reply
-
-
 @dataclass
 class _Pending:
-    slot: _Slot
+    slot: Slot
     op_frame: bytes
     op: str
     started: float
@@ -239,13 +206,10 @@ class Connection:
             return
 
     async def _read_loop(self) -> None:
-        """Wait on the FD and drain; the FD is edge-triggered: see :meth:`_drain`."""
-        fd = self._fd
+        """Drain whenever the FD signals; it is edge-triggered: see :meth:`_drain`."""
         try:
-            while not self._closed:
-                await anyio.wait_readable(fd)
-                self._on_readable()
-        except (anyio.ClosedResourceError, OSError):
+            await watch_readable(self._fd, self._on_readable)
+        except OSError:
             return
 
     def _on_readable(self) -> None:
@@ -336,6 +300,10 @@ class Connection:
                 exc = (kind(message) if kind is ClosedError
                        else ServerUnavailableError(message, op=pending.op, server=self.url))
                 pending.slot.set_exception(exc)
+        # senders waiting for room look at their slots again (now failed)
+        for room in self._writable:
+            room.set()
+        self._writable.clear()
 
     async def request(
         self,
@@ -371,39 +339,40 @@ class Connection:
                                          op=op, server=self.url, request_id=request_id)
         uid = next(self._uids)
         frames = encode_request(uid, req.op_id, req.payloads)
-        slot = _Slot()
+        slot = new_slot()
         key = frames[0]
         self._pending[key] = _Pending(slot, frames[1], op, started)
+        give_up = started + timeout
         keep_for_late = False
         try:
-            with anyio.move_on_after(max(0.0, timeout - (time.monotonic() - started))):
-                try:
-                    _send_frames(self._sock, frames)
-                except zmq.Again:
-                    if not self._connected.is_set():  # no live connection (IMMEDIATE)
-                        raise ServerUnavailableError(
-                            "not connected to the server", op=op, server=self.url,
-                            request_id=request_id) from None
-                    # high-water mark reached: wait for room, within the deadline
-                    await self._send_when_writable(frames, slot)
-                except zmq.ZMQError as exc:
-                    raise from_zmq_error(exc, op=op, server=self.url) from None
-                if not slot.done():
-                    # Sent, at once or after waiting for room.
-                    if sent is not None:
-                        sent.set()
-                    # A send through the sync view can consume the socket's
-                    # edge-triggered readiness signal, so the reader might not wake:
-                    # check for replies here.
-                    self._drain()
-                    await slot.event.wait()
-            if not slot.done():  # the deadline passed first
+            try:
+                _send_frames(self._sock, frames)
+                went_out = True
+            except zmq.Again:
+                if not self._connected.is_set():  # no live connection (IMMEDIATE)
+                    raise ServerUnavailableError(
+                        "not connected to the server", op=op, server=self.url,
+                        request_id=request_id) from None
+                # high-water mark reached: wait for room, within the deadline
+                went_out = await self._send_when_writable(frames, slot, give_up)
+            except zmq.ZMQError as exc:
+                raise from_zmq_error(exc, op=op, server=self.url) from None
+            answered = slot.done()
+            if went_out and not answered:
+                if sent is not None:
+                    sent.set()
+                # A send through the sync view can consume the socket's edge-triggered
+                # readiness signal, so the reader might not wake: check for replies here.
+                self._drain()
+                answered = await slot.wait(give_up - time.monotonic())
+            if not answered:  # the deadline passed first
                 keep_for_late = on_late is not None and late_window > 0
                 raise ServerTimeoutError(
                     "no reply", op=op, server=self.url, request_id=request_id,
                     timeout=timeout, elapsed=time.monotonic() - started,
                 )
-            return slot.get()
+            reply: Reply = slot.get()
+            return reply
         except ServerUnavailableError as exc:
             raise with_context(exc, op=op, request_id=request_id) from None
         finally:
@@ -412,6 +381,7 @@ class Connection:
                 self._forget_later(key, late_window)
             else:
                 self._pending.pop(key, None)
+            slot.discard()
 
     def _forget_later(self, key: bytes, delay: float) -> None:
         """Stop waiting for a late reply after ``delay`` seconds."""
@@ -426,28 +396,29 @@ class Connection:
 
         bg.start_soon(forget, name="lmkv-late-window")
 
-    async def _send_when_writable(self, frames: list[bytes], reply: _Slot) -> None:
-        """Retry a send refused at the high-water mark until it goes out or the reply
-        slot is settled first (a disconnect; the deadline is the caller's scope)."""
-        while not reply.done():
-            room = anyio.Event()
-            self._writable.append(room)
-            reply.wake = room
-            # the FD may not signal again if room appeared before we registered
-            self._look_again()
-            try:
-                await room.wait()
-            finally:
-                reply.wake = None
-                if not room.is_set():  # our deadline or cancellation: stop waiting
-                    self._writable.remove(room)
-            if reply.done():
-                return
-            try:
-                _send_frames(self._sock, frames)
-                return
-            except zmq.Again:
-                continue
+    async def _send_when_writable(self, frames: list[bytes], reply: Slot, give_up: float
+                                  ) -> bool:
+        """Retry a send refused at the high-water mark until it goes out (True), or the
+        reply slot is settled first (a disconnect) or the deadline passes (False)."""
+        with anyio.move_on_after(max(0.0, give_up - time.monotonic())):  # the rare path
+            while not reply.done():
+                room = anyio.Event()
+                self._writable.append(room)
+                # the FD may not signal again if room appeared before we registered
+                self._look_again()
+                try:
+                    await room.wait()
+                finally:
+                    if not room.is_set() and room in self._writable:  # deadline, cancel
+                        self._writable.remove(room)
+                if reply.done():
+                    return False
+                try:
+                    _send_frames(self._sock, frames)
+                    return True
+                except zmq.Again:
+                    continue
+        return False
 
     async def probe(self, req: Request, *, timeout: float) -> object:
         """Send a detection request and return its decoded result."""
@@ -465,6 +436,8 @@ class Connection:
         self._writable.clear()
         for job in self._jobs:
             job.cancel()
+        if self._fd >= 0:
+            unwatch(self._fd)  # now, before the socket (and its FD) is closed
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
