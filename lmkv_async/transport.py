@@ -40,8 +40,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _zsock
-from ._prims import Slot, new_slot, unwatch, watch_readable
 from ._background import Background, Job
+from ._prims import Slot, new_slot, unwatch, watch_readable
 from ._waits import wait_event
 from .errors import (
     ClosedError,
