@@ -101,8 +101,13 @@ class Job(Generic[T]):
         await self._done.wait()
 
     async def wait_within(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds; return whether the job has ended."""
-        if self._state == _PENDING:
+        """Wait up to ``timeout`` seconds; return whether the job has ended.
+
+        A ``timeout`` of 0 or less does not wait at all: a scope with a deadline already
+        passed still lets the loop run once, and a fast job could end in that turn, so
+        "the deadline had passed" would depend on how fast the server answered.
+        """
+        if self._state == _PENDING and timeout > 0:
             with anyio.move_on_after(max(0.0, timeout)):
                 await self._done.wait()
         return self._state != _PENDING
