@@ -66,9 +66,9 @@ async def drain(ctx: lmkv.AsyncKVContext | None) -> None:
     """Wait for a context's background release steps (private; benchmarks only)."""
     if ctx is None:
         return
-    tasks = ctx._s._tasks
-    while tasks:
-        await asyncio.wait(list(tasks))
+    s = ctx._s
+    while s._tasks:  # a release step may start another while we wait
+        await s.background.drain(s._tasks, math.inf)
 
 
 def cpu_model() -> str:

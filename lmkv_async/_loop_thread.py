@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
-__all__ = ["EXIT_CLOSE_TIMEOUT", "forget", "generation", "loop", "portal", "running", "stop",
+__all__ = ["EXIT_CLOSE_TIMEOUT", "forget", "generation", "portal", "running", "stop",
            "thread", "track_if_on_loop"]
 
 #: How long interpreter exit waits for objects still open on the loop to close.
@@ -97,13 +97,6 @@ def portal() -> BlockingPortal:
             else:
                 register(stop)
         return started
-
-
-def loop() -> asyncio.AbstractEventLoop:
-    """The client loop (started on first use)."""
-    portal()
-    assert _loop is not None
-    return _loop
 
 
 def thread() -> threading.Thread | None:
